@@ -1,0 +1,247 @@
+"""The decode loop API shared by the CLI, the worker and the benchmark.
+
+`generate(engine, prompt_ids, config)` returns a `Generation`: iterate it for `Step` events (new token ids, text
+delta, accepted drafts, tree size, timings); afterwards `.result` holds the summary. Vanilla autoregressive decoding
+lives here; TokenSwift (core/tokenswift.py) plugs into the same bookkeeping, so both stop, stream and count alike.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from core.kv_cache import KVCache
+from core.sampling import Sampler, SamplingSettings
+from core.text import TextStream
+
+if TYPE_CHECKING:
+    from core.engine import Engine
+
+METHODS = ("ar", "tokenswift")
+PREFILL_CHUNK = 256
+MAX_NEW_TOKENS = 1_000_000
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 512
+    method: str = "ar"
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False  # suppress end-of-sequence so exactly max_new_tokens come out
+
+    def validate(self) -> "GenerationConfig":
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max new tokens must be an integer between 1 and {MAX_NEW_TOKENS}, "
+                             f"got {self.max_new_tokens}")
+        self.sampling.validate()
+        return self
+
+
+@dataclass
+class Step:
+    index: int
+    token_ids: list[int]  # tokens this step added to the output
+    text: str  # text delta (may lag a token behind when a character spans two tokens)
+    accepted: int  # draft tokens accepted (the model's own token each step is not counted)
+    from_ngram: int  # accepted drafts proposed by the n-gram table
+    from_heads: int  # accepted drafts proposed by the heads only
+    tree_size: int  # tokens verified in this step's forward (1 for vanilla decoding)
+    seconds: float  # wall time of the step
+    n_tokens: int  # output tokens so far
+    tokens_per_s: float  # decode throughput so far
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    n_prompt: int
+    prefill_s: float
+    decode_s: float
+    stop_reason: str  # eos | length | stop_string | cancelled
+    steps: list[Step]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Output tokens per decoding step (the model's own token included)."""
+        return self.n_tokens / len(self.steps) if self.steps else 0.0
+
+    def alpha(self, gamma: int = 4) -> float:
+        """Acceptance rate as the paper defines it: accepted drafts / (gamma * steps)."""
+        return sum(s.accepted for s in self.steps) / (gamma * len(self.steps)) if self.steps else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "text": self.text, "token_ids": self.token_ids, "n_tokens": self.n_tokens, "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s, "tokens_per_s": self.tokens_per_s, "stop_reason": self.stop_reason,
+            "mean_accepted": self.mean_accepted, "alpha": self.alpha(),
+            "steps": [{"new_tokens": len(s.token_ids), "accepted": s.accepted, "from_ngram": s.from_ngram,
+                       "tree_size": s.tree_size, "seconds": s.seconds} for s in self.steps],
+        }
+
+
+class Generation:
+    """One generation: prefill, then steps from a decoding method, with shared stopping and streaming."""
+
+    def __init__(self, engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
+                 cancel: Callable[[], bool] | None = None):
+        self.engine = engine
+        self.config = config.validate()
+        self.cancel = cancel or (lambda: False)
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        limit = engine.max_context
+        if len(prompt_ids) + config.max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max new tokens ({config.max_new_tokens}) exceeds "
+                             f"the model's context of {limit} tokens")
+        self.prompt_ids = list(prompt_ids)
+        self.tokens = list(prompt_ids)  # the whole sequence: prompt, then output
+        cfg = engine.model.cfg
+        banned = cfg.eos_token_ids if config.ignore_eos else ()
+        self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
+        self.stream = TextStream(engine.tokenizer)
+        self.steps: list[Step] = []
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+        self.stop_reason = ""
+        self.result: Result | None = None
+
+    # -- shared pieces ---------------------------------------------------------------------------------------------
+
+    @property
+    def n_out(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    def window(self, extra: list[int] = ()) -> Tensor:  # type: ignore[assignment]
+        """Penalty window (token ids) for the draw after the sequence followed by `extra`."""
+        W = self.config.sampling.penalty_window
+        seq = self.tokens[-W:] + list(extra) if len(extra) < W else list(extra)
+        return torch.tensor(seq[-W:], dtype=torch.long, device=self.engine.device)[None]
+
+    def draw(self, logits_row: Tensor, extra: list[int] = ()) -> int:  # type: ignore[assignment]
+        """Draw the token after the sequence (+ `extra` path tokens) from one row of logits."""
+        scores = self.sampler.scores(logits_row[None], self.window(extra))
+        return int(self.sampler.choose(scores, [len(self.tokens) + len(extra)])[0])
+
+    def new_cache(self) -> KVCache:
+        # room for the prompt, the output and one verification block beyond it
+        need = len(self.prompt_ids) + self.config.max_new_tokens + self.engine.max_block
+        return self.engine.model.new_cache(need)
+
+    def prefill(self, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """Run the prompt through the model in chunks; returns the last position's logits and hidden state."""
+        t0 = time.perf_counter()
+        ids = torch.tensor(self.prompt_ids, dtype=torch.long, device=self.engine.device)
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start:start + PREFILL_CHUNK]
+            positions = torch.arange(start, start + len(chunk), device=ids.device)
+            logits, hidden = self.engine.forward(chunk, positions, cache, logits_rows=slice(-1, None))
+            cache.commit()
+        self.prefill_s = time.perf_counter() - t0
+        return logits[-1], hidden[-1]
+
+    def emit(self, new_ids: list[int], seconds: float, accepted: int = 0, from_ngram: int = 0, from_heads: int = 0,
+             tree_size: int = 1) -> Step | None:
+        """Append a step's tokens, cutting at end-of-sequence, the token limit or a stop string.
+
+        Returns the step, or None if nothing was added. Sets `stop_reason` when the generation is over.
+        """
+        cfg = self.config
+        eos = set(self.engine.model.cfg.eos_token_ids)
+        kept: list[int] = []
+        for t in new_ids:
+            if self.n_out + len(kept) >= cfg.max_new_tokens:
+                self.stop_reason = "length"
+                break
+            kept.append(t)
+            if t in eos and not cfg.ignore_eos:
+                self.stop_reason = "eos"
+                break
+        if self.n_out + len(kept) >= cfg.max_new_tokens and not self.stop_reason:
+            self.stop_reason = "length"
+        accepted = min(accepted, max(0, len(kept) - 1))
+        self.tokens.extend(kept)
+        text = self.stream.push(kept)
+        if self.stop_reason:
+            text += self.stream.flush()
+        if cfg.stop_strings and any(s in self.stream.text[-(len(text) + max(map(len, cfg.stop_strings))):]
+                                    for s in cfg.stop_strings):
+            self.stop_reason = "stop_string"
+        self.decode_s += seconds
+        if not kept:
+            return None
+        step = Step(len(self.steps), kept, text, accepted, min(from_ngram, accepted), min(from_heads, accepted),
+                    tree_size, seconds, self.n_out, self.n_out / self.decode_s if self.decode_s > 0 else 0.0)
+        self.steps.append(step)
+        return step
+
+    def finish(self) -> Result:
+        text = self.stream.text
+        if self.stop_reason == "stop_string":
+            cut = min((text.find(s) for s in self.config.stop_strings if s in text), default=-1)
+            text = text[:cut] if cut >= 0 else text
+        self.result = Result(self.tokens[len(self.prompt_ids):], text, len(self.prompt_ids), self.prefill_s,
+                             self.decode_s, self.stop_reason or "length", self.steps)
+        return self.result
+
+    # -- iteration -------------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Step]:
+        steps = self.engine.tokenswift_steps(self) if self.config.method == "tokenswift" else self.ar_steps()
+        try:
+            with torch.inference_mode():
+                yield from steps
+        finally:
+            self.finish()
+
+    def run(self) -> Result:
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+    def cancelled(self) -> bool:
+        if self.cancel():
+            self.stop_reason = "cancelled"
+            return True
+        return False
+
+    def ar_steps(self) -> Iterator[Step]:
+        """Vanilla decoding: one forward and one draw per token."""
+        cache = self.new_cache()
+        logits, _ = self.prefill(cache)
+        device = self.engine.device
+        while not self.cancelled():
+            t0 = time.perf_counter()
+            token = self.draw(logits)
+            done = self.n_out + 1 >= self.config.max_new_tokens or token in self.engine.model.cfg.eos_token_ids
+            if not done:
+                pos = torch.tensor([len(self.tokens)], device=device)
+                logits, _ = self.engine.forward(torch.tensor([token], device=device), pos, cache)
+                logits = logits[0]
+                cache.commit()
+            step = self.emit([token], time.perf_counter() - t0)
+            if step is not None:
+                yield step
+            if self.stop_reason:
+                return
+
+
+def generate(engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
+             cancel: Callable[[], bool] | None = None) -> Generation:
+    """Start a generation; iterate the result for steps, then read `.result`."""
+    return Generation(engine, prompt_ids, config, cancel)

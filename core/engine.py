@@ -1,0 +1,83 @@
+"""The engine: one loaded model (plus its drafting heads) and the forward pass every decoder calls.
+
+It is the object the CLI, the worker and the benchmark hold: `engine.generate(prompt_ids, config)` runs vanilla or
+TokenSwift decoding on it. The forward runs eagerly, or through fixed-size compiled graphs (core/compiled.py) when
+`compile=True`; both compute the same function.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from core.decoding import Generation, GenerationConfig, Step, generate
+from core.heads import DraftHeads, HeadsError, load_heads
+from core.kv_cache import KVCache, PartialKVCache
+from core.loading import LoadedModel, load_model
+from core.model import Transformer
+from core.tokenswift import TokenSwiftOptions, tokenswift_steps
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, heads: DraftHeads | None = None,
+                 options: TokenSwiftOptions | None = None, compile: bool = False):
+        self.loaded = loaded
+        self.model: Transformer = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.heads = heads
+        self.options = options or TokenSwiftOptions()
+        self.runner = None
+        self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
+        if compile:
+            from core.compiled import CompiledRunner
+
+            self.runner = CompiledRunner(self.model, heads)
+
+    @classmethod
+    def load(cls, spec: str | None = None, heads: str | Path | None = "default", device: str | None = None,
+             options: TokenSwiftOptions | None = None, compile: bool = False) -> "Engine":
+        """Load a model and its heads: `heads="default"` takes the committed heads for known models if present,
+        None runs without heads (n-gram drafting only), a path loads that file (and must match the model)."""
+        loaded = load_model(spec, device=device)
+        head_model = None
+        if heads == "default":
+            path = loaded.default_heads_path()
+            if path is not None and path.is_file():
+                head_model = load_heads(path, loaded.model, loaded.name)
+        elif heads is not None:
+            head_model = load_heads(Path(heads), loaded.model, loaded.name)
+        return cls(loaded, head_model, options, compile)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def max_context(self) -> int:
+        return self.model.cfg.max_position
+
+    @property
+    def max_block(self) -> int:
+        """The most tokens one forward appends beyond the committed sequence."""
+        return max(self.options.tree_budget, 1) + 1
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
+                block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:
+        if self.runner is not None:
+            return self.runner.forward(tokens, positions, cache, block_mask, logits_rows)
+        return self.model(tokens, positions, cache, block_mask, logits_rows)
+
+    def generate(self, prompt_ids: list[int], config: GenerationConfig,
+                 cancel: Callable[[], bool] | None = None) -> Generation:
+        return generate(self, prompt_ids, config, cancel)
+
+    def tokenswift_steps(self, gen: Generation) -> Iterator[Step]:
+        return tokenswift_steps(self, gen)
+
+
+__all__ = ["Engine", "HeadsError", "Any"]

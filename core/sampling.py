@@ -1,0 +1,166 @@
+"""Sampling settings, logits processing (contextual penalty, temperature, top-k, top-p, min-p) and the
+position-keyed draw.
+
+Every decoder turns logits into a token the same way: `choose(process(logits, window), position)`. The random
+part of a draw at sequence position t depends only on (seed, t): Gumbel noise from a generator seeded by a hash of
+both, added to the processed logits, then argmax (the Gumbel-max trick samples exactly softmax(logits / T) over the
+tokens that survive filtering). So any decoder that computes the same distribution at position t emits the same
+token — vanilla decoding and TokenSwift's tree verification agree token for token, and a draw that differs can only
+come from a numerical near-tie of two perturbed logits.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 0.7  # 0 means greedy
+    top_p: float = 0.9  # 1 disables
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # 0 disables
+    penalty: float = 1.1  # contextual penalty θ; 1 disables
+    penalty_window: int = 1024  # W: the penalty covers the distinct tokens among the last W
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> "SamplingSettings":
+        """Raise ValueError with a readable message for out-of-range settings; return self otherwise."""
+        checks = [
+            (0 <= self.temperature <= 5, f"temperature must be between 0 and 5 (0 = greedy), got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p}"),
+            (isinstance(self.top_k, int) and 0 <= self.top_k <= 100_000, f"top-k must be an integer >= 0, got {self.top_k}"),
+            (0 <= self.min_p < 1, f"min-p must be in [0, 1), got {self.min_p}"),
+            (1 <= self.penalty <= 3, f"penalty θ must be between 1 and 3 (1 = off), got {self.penalty}"),
+            (isinstance(self.penalty_window, int) and 1 <= self.penalty_window <= 1_000_000,
+             f"penalty window must be an integer between 1 and 1000000, got {self.penalty_window}"),
+            (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, f"seed must be an integer in [0, 2^63), got {self.seed}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingSettings":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
+        return cls(**known)
+
+    def with_(self, **changes: Any) -> "SamplingSettings":
+        return replace(self, **changes)
+
+
+# Named presets. "studio" is the default for writing: on SmolLM2-135M-Instruct the paper's settings degenerate into
+# non-words within a few hundred tokens, while these stayed readable over 2048 tokens (see README).
+PRESETS: dict[str, SamplingSettings] = {
+    "studio": SamplingSettings(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, penalty=1.1, penalty_window=1024),
+    "paper": SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, min_p=0.1, penalty=1.2, penalty_window=1024),
+    "greedy": SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, penalty=1.0, penalty_window=1024),
+}
+
+
+def apply_penalty(logits: Tensor, windows: Tensor, theta: float) -> Tensor:
+    """Contextual penalty in place: for each row, every distinct token id in its window row is penalised once.
+
+    `windows` is [rows, W] of token ids; a row shorter than W is padded by repeating one of its own ids, which is
+    harmless because gathering and scattering the same id twice writes the same value (as CTRL/HF do).
+    """
+    if theta == 1.0 or windows.numel() == 0:
+        return logits
+    picked = logits.gather(1, windows)
+    picked = torch.where(picked > 0, picked / theta, picked * theta)
+    return logits.scatter_(1, windows, picked)
+
+
+def filter_logits(logits: Tensor, s: SamplingSettings) -> Tensor:
+    """Temperature, top-k, top-p, min-p on [rows, V] fp32 logits (in Hugging Face's order); in place where possible."""
+    if s.greedy:
+        return logits
+    if s.temperature != 1.0:
+        logits.div_(s.temperature)
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - s.top_p
+        drop[:, -1] = False  # always keep the most likely token
+        logits.masked_fill_(drop.scatter(1, order, drop), float("-inf"))
+    if s.min_p > 0:
+        probs = logits.softmax(dim=-1)
+        drop = probs < s.min_p * probs.max(dim=-1, keepdim=True).values
+        logits.masked_fill_(drop, float("-inf"))
+    return logits
+
+
+def _mix(seed: int, position: int) -> int:
+    # splitmix64 of (seed, position): neighbouring positions get unrelated generator seeds.
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & (2**63 - 1)
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
+    """The Gumbel noise for sequence position `position`: a pure function of (seed, position), on the CPU."""
+    g = torch.Generator().manual_seed(_mix(seed, position))
+    u = torch.rand(vocab, generator=g, dtype=torch.float32)
+    return -torch.log(-torch.log(u))
+
+
+class Sampler:
+    """Processes logits and draws tokens for one generation (fixed settings, fixed vocabulary)."""
+
+    def __init__(self, settings: SamplingSettings, vocab: int, banned: tuple[int, ...] = ()):
+        self.s = settings
+        self.vocab = vocab
+        self.banned = list(banned)  # e.g. end-of-sequence ids when writing to full length
+        self._noise: dict[int, Tensor] = {}
+
+    def noise(self, position: int, device: torch.device) -> Tensor:
+        n = self._noise.get(position)
+        if n is None or n.device != device:
+            n = gumbel_noise(self.s.seed, position, self.vocab).to(device)
+            if len(self._noise) > 64:
+                self._noise.clear()
+            self._noise[position] = n
+        return n
+
+    def scores(self, logits: Tensor, windows: Tensor) -> Tensor:
+        """Processed logits [rows, V] (a fresh tensor) for rows whose penalty windows are `windows` [rows, W]."""
+        out = logits[:, : self.vocab].float().clone()
+        if self.banned:
+            out[:, self.banned] = float("-inf")
+        apply_penalty(out, windows, self.s.penalty)
+        return filter_logits(out, self.s)
+
+    def choose(self, scores: Tensor, positions: list[int]) -> Tensor:
+        """The token drawn at each row; row i is the draw for sequence position positions[i]."""
+        if self.s.greedy:
+            return scores.argmax(dim=-1)
+        noise = torch.stack([self.noise(p, scores.device) for p in positions])
+        return (scores + noise).argmax(dim=-1)
+
+    def margin(self, scores: Tensor, position: int) -> tuple[int, int, float]:
+        """Top two candidates at a row and the gap between their (perturbed) scores: the near-tie diagnostic."""
+        v = scores.clone() if self.s.greedy else scores + self.noise(position, scores.device)
+        top = v.topk(2)
+        return int(top.indices[0]), int(top.indices[1]), float(top.values[0] - top.values[1])
+
+
+def penalty_window(tokens: list[int], window: int) -> list[int]:
+    """The ids the penalty sees when drawing the token after `tokens`."""
+    return tokens[-window:]

@@ -1,0 +1,139 @@
+"""TokenSwift decoding: draft a token tree, verify it in one forward, accept exactly what the model would write.
+
+Each step:
+1. **Draft.** `fused` (default): the heads read the hidden state of the last accepted node from the previous
+   verification, so a step costs one forward. `separate` (the paper's): a one-token forward of the root over the
+   partial KV cache gives the backbone's next-token top-1 and, through the heads, the tokens after it.
+2. **Reuse.** The n-gram table proposes continuations keyed by the root and by the first draft token.
+3. **Tree.** All drafts merge into one trie under a node budget (core/tree.py).
+4. **Verify.** One forward of the whole tree over the full cache with a tree mask. Then walk from the root: at each
+   node draw the model's token exactly as vanilla decoding would at that position (same penalty window of committed +
+   path tokens, same position-keyed randomness), and move to the child holding it; stop where no child does. The
+   walked path and the drawn token after it are the output, so it equals vanilla decoding token for token.
+5. **Commit.** The accepted path's keys/values are compacted in place; the rest of the tree is dropped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import Tensor
+
+from core.kv_cache import PartialKVCache
+from core.ngram import NGramTable
+from core.tree import HEADS, NGRAM, Tree, TreeBuilder
+
+if TYPE_CHECKING:
+    from core.decoding import Generation, Step
+    from core.engine import Engine
+
+log = logging.getLogger(__name__)
+DRAFT_MODES = ("fused", "separate")
+GAMMA = 4  # draft depth the paper's acceptance rate is normalised by
+
+
+@dataclass(frozen=True)
+class TokenSwiftOptions:
+    draft_mode: str = "fused"
+    tree_budget: int = 12  # tree nodes (root included) verified per step
+    head_topk: int = 3  # candidates per head
+    backbone_topk: int = 1  # depth-1 candidates from the draft pass (separate mode)
+    ngram_n: int = 4
+    ngram_topk: int = 20
+    ngram_lag: int = 0  # index all but the last `ngram_lag` tokens (the paper lags by its penalty window, 1024)
+    ngram_weight: float = 1.0  # scales the n-gram chains' acceptance estimate against the heads'
+    kv_budget: int = 4096  # partial KV cache of the separate draft pass
+
+    def validate(self) -> "TokenSwiftOptions":
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {self.draft_mode!r}")
+        if not 1 <= self.tree_budget <= 256:
+            raise ValueError(f"tree budget must be between 1 and 256 nodes, got {self.tree_budget}")
+        if self.kv_budget <= PartialKVCache.SINKS + 1:
+            raise ValueError(f"partial KV budget must exceed {PartialKVCache.SINKS + 1}, got {self.kv_budget}")
+        if self.ngram_n < 2 or self.ngram_topk < 0 or self.head_topk < 1 or self.ngram_lag < 0:
+            raise ValueError("n-gram size must be >= 2, top-k values >= 0 (head top-k >= 1), lag >= 0")
+        return self
+
+
+def draft_tree(engine: "Engine", root: int, h: Tensor | None, backbone: Tensor | None, table: NGramTable) -> Tree:
+    """Merge the heads' and the n-gram table's proposals below `root` into one budgeted trie.
+
+    `h` is the hidden state whose heads predict the tokens after the root (None without heads); `backbone` the
+    draft pass's next-token logits for the token after the root (separate mode only).
+    """
+    opt = engine.options
+    builder = TreeBuilder(root)
+    candidates: list[list[tuple[int, float]]] = []
+    if backbone is not None:
+        p, ids = backbone.float().softmax(-1).topk(opt.backbone_topk)
+        candidates.append(list(zip(ids.tolist(), p.tolist())))
+    if engine.heads is not None and h is not None:
+        ids, p = engine.heads.topk(h, engine.model, opt.head_topk)
+        candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
+    builder.add_product(candidates, HEADS)
+    # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
+    keys = [(root, [], 1.0)] + ([(candidates[0][0][0], [candidates[0][0][0]], candidates[0][0][1])] if candidates else [])
+    for key, prefix, base in keys:
+        total = table.total(key)
+        for cont, count in table.topk(key, opt.ngram_topk):
+            score = base * min(1.0, opt.ngram_weight * count / total)
+            builder.add(prefix + list(cont), [base] * len(prefix) + [score] * len(cont), NGRAM)
+    return builder.build(opt.tree_budget)
+
+
+def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
+    opt = engine.options.validate()
+    if engine.heads is None:
+        warn_once(engine, "no trained drafting heads for this model: TokenSwift drafts from n-grams only")
+    device = engine.device
+    cache = gen.new_cache()
+    logits, h = gen.prefill(cache)
+    table = NGramTable(opt.ngram_n)
+    table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
+    partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
+
+    # The first token comes from the prefill, like vanilla decoding's.
+    t0 = time.perf_counter()
+    step = gen.emit([gen.draw(logits)], time.perf_counter() - t0)
+    if step is not None:
+        yield step
+
+    while not gen.stop_reason and not gen.cancelled():
+        t0 = time.perf_counter()
+        root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
+        backbone = None
+        if partial is not None:
+            draft_logits, draft_h = engine.forward(torch.tensor([root], device=device),
+                                                   torch.tensor([root_pos], device=device), partial)
+            partial.commit()
+            backbone, h = draft_logits[0], draft_h[0]
+        tree = draft_tree(engine, root, h, backbone, table)
+        logits, hidden = engine.forward(torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device),
+                                        cache, tree.mask(device))
+        node, path, accepted_nodes = 0, [], []
+        while True:
+            token = gen.draw(logits[node], path)
+            child = tree.children[node].get(token)
+            if child is None:
+                break
+            node = child
+            path.append(token)
+            accepted_nodes.append(node)
+        cache.keep([0] + accepted_nodes)
+        h = hidden[node]
+        from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)
+        step = gen.emit(path + [token], time.perf_counter() - t0, accepted=len(path), from_ngram=from_ngram,
+                        from_heads=len(path) - from_ngram, tree_size=len(tree))
+        table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
+        if step is not None:
+            yield step
+
+
+def warn_once(engine: "Engine", message: str) -> None:
+    if message not in engine.notices:
+        engine.notices.append(message)
+        log.info(message)

@@ -1,0 +1,107 @@
+"""The candidate tree: drafts from the heads and n-gram chains merged into one trie under a node budget.
+
+Each proposed path carries an estimate of the chance that verification accepts it (the product of the heads'
+probabilities, or an n-gram's relative count). Identical prefixes share nodes (a node keeps the best estimate of the
+paths through it, capped by its parent's so estimates never grow with depth). Expected accepted length is the sum
+of the chances of the nodes in the tree, so keeping the `budget` best nodes is the best tree of that size, and it is
+prefix-closed because a child never outranks its parent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+HEADS = 1
+NGRAM = 2
+
+
+@dataclass
+class Tree:
+    tokens: list[int]  # node 0 is the root
+    parents: list[int]  # parent node index, -1 for the root; parents come before children
+    depths: list[int]
+    sources: list[int]  # bit set of HEADS / NGRAM that proposed the node
+    children: list[dict[int, int]] = field(default_factory=list)  # token -> child node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def mask(self, device: torch.device | str = "cpu") -> Tensor:
+        """[n, n] bool: node i attends to node j iff j is i or one of its ancestors."""
+        n = len(self.tokens)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = self.parents[j]
+        return m.to(device)
+
+    def positions(self, root_position: int, device: torch.device | str = "cpu") -> Tensor:
+        return torch.tensor(self.depths, dtype=torch.long, device=device) + root_position
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to `node` (the root itself excluded)."""
+        out: list[int] = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+
+class TreeBuilder:
+    def __init__(self, root: int):
+        self.tokens = [root]
+        self.parents = [-1]
+        self.depths = [0]
+        self.sources = [0]
+        self.scores = [float("inf")]
+        self.children: list[dict[int, int]] = [{}]
+
+    def add(self, path: list[int], scores: list[float], source: int) -> None:
+        """Insert the path below the root; scores[i] estimates the chance that path[:i+1] is accepted."""
+        node = 0
+        for token, score in zip(path, scores):
+            score = min(score, self.scores[node])
+            child = self.children[node].get(token)
+            if child is None:
+                child = len(self.tokens)
+                self.children[node][token] = child
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self.sources.append(source)
+                self.scores.append(score)
+                self.children.append({})
+            else:
+                self.sources[child] |= source
+                self.scores[child] = max(self.scores[child], score)
+            node = child
+
+    def add_product(self, candidates: list[list[tuple[int, float]]], source: int = HEADS) -> None:
+        """Every combination of per-depth candidates [(token, prob), ...], scored by the product of probabilities."""
+        def expand(prefix: list[int], scores: list[float], depth: int) -> None:
+            if depth == len(candidates):
+                return
+            for token, p in candidates[depth]:
+                s = (scores[-1] if scores else 1.0) * p
+                self.add(prefix + [token], scores + [s], source)
+                expand(prefix + [token], scores + [s], depth + 1)
+
+        expand([], [], 0)
+
+    def build(self, budget: int) -> Tree:
+        """The root plus the `budget - 1` best nodes, parents before children."""
+        order = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))[: max(0, budget - 1)]
+        keep = [0] + sorted(order, key=lambda i: (self.depths[i], i))
+        index = {old: new for new, old in enumerate(keep)}
+        tree = Tree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
+                    [self.depths[i] for i in keep], [self.sources[i] for i in keep])
+        tree.children = [{} for _ in keep]
+        for new, old in enumerate(keep[1:], start=1):
+            parent = tree.parents[new]
+            assert parent >= 0, "tree selection must be prefix-closed"
+            tree.children[parent][tree.tokens[new]] = new
+        return tree

@@ -1,0 +1,37 @@
+"""Persistence for TokenSwift Studio: projects, chapters, generation runs and their metrics.
+
+The UI queues runs and reads; the worker claims runs and streams output into the
+database. Knows nothing of torch, gradio or the model.
+
+    from storage import open_database, create_project
+    db = open_database()            # $TOKENSWIFT_DB or data/studio.db, migrated to head
+    project = create_project(db, "My novel")
+"""
+
+from .db import Database, open_database, resolve_url
+from .errors import NotFoundError, StorageError, ValidationError
+from .models import (
+    CHAPTER_STATUSES, PROJECT_KINDS, RUN_METHODS, RUN_MODES, RUN_STATUSES,
+    Chapter, ChapterRevision, Comparison, Project, Run, StepMetric, WorkerState,
+)
+from .queries import (
+    STEP_FIELDS, active_runs, add_chapter, append_output, claim_next_run, create_comparison, create_project,
+    delete_chapter, delete_project, enqueue_run, finish_run, first_divergence, get_chapter, get_comparison,
+    get_project, get_run, get_run_token_ids, get_steps, get_worker_states, is_cancel_requested,
+    latest_run_for_chapter, list_chapters, list_comparisons, list_projects, list_revisions, list_runs,
+    mark_interrupted, move_chapter, queue_position, rename_project, request_cancel, set_chapter_text,
+    set_worker_state, settle_comparison, start_chapter_run, update_chapter, update_project,
+)
+
+__all__ = [
+    "Database", "open_database", "resolve_url", "NotFoundError",
+    "StorageError", "ValidationError", "CHAPTER_STATUSES", "PROJECT_KINDS", "RUN_METHODS", "RUN_MODES",
+    "RUN_STATUSES", "Chapter", "ChapterRevision", "Comparison", "Project", "Run", "StepMetric",
+    "WorkerState", "STEP_FIELDS", "active_runs", "add_chapter", "append_output", "claim_next_run",
+    "create_comparison", "create_project", "delete_chapter", "delete_project", "enqueue_run", "finish_run",
+    "first_divergence", "get_chapter", "get_comparison", "get_project", "get_run", "get_run_token_ids",
+    "get_steps", "get_worker_states", "is_cancel_requested", "latest_run_for_chapter", "list_chapters",
+    "list_comparisons", "list_projects", "list_revisions", "list_runs", "mark_interrupted", "move_chapter",
+    "queue_position", "rename_project", "request_cancel", "set_chapter_text", "set_worker_state",
+    "settle_comparison", "start_chapter_run", "update_chapter", "update_project",
+]
