@@ -98,23 +98,29 @@ class Generation:
     """One generation: prefill, then steps from a decoding method, with shared stopping and streaming."""
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
-                 cancel: Callable[[], bool] | None = None):
+                 cancel: Callable[[], bool] | None = None, resume_ids: list[int] = ()):  # type: ignore[assignment]
         self.engine = engine
         self.config = config.validate()
         self.cancel = cancel or (lambda: False)
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         limit = engine.max_context
+        if len(resume_ids) >= config.max_new_tokens:
+            raise ValueError(f"nothing to resume: {len(resume_ids)} of {config.max_new_tokens} tokens already written")
         if len(prompt_ids) + config.max_new_tokens > limit:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max new tokens ({config.max_new_tokens}) exceeds "
                              f"the model's context of {limit} tokens")
         self.prompt_ids = list(prompt_ids)
-        self.tokens = list(prompt_ids)  # the whole sequence: prompt, then output
+        # The whole sequence: prompt, then output. A resumed generation starts with its earlier output already in
+        # place; positions (and so the position-keyed draws) continue where they stopped, so the tokens that follow
+        # are the ones an uninterrupted run would have written.
+        self.tokens = list(prompt_ids) + list(resume_ids)
         cfg = engine.model.cfg
         banned = cfg.eos_token_ids if config.ignore_eos else ()
         self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
         self.stream = TextStream(engine.tokenizer)
         self.steps: list[Step] = []
+        self.stream.push(list(resume_ids))
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.stop_reason = ""
@@ -143,9 +149,10 @@ class Generation:
         return self.engine.model.new_cache(need)
 
     def prefill(self, cache: KVCache) -> tuple[Tensor, Tensor]:
-        """Run the prompt through the model in chunks; returns the last position's logits and hidden state."""
+        """Run the prompt (and any resumed output) through the model in chunks; returns the last position's logits
+        and hidden state."""
         t0 = time.perf_counter()
-        ids = torch.tensor(self.prompt_ids, dtype=torch.long, device=self.engine.device)
+        ids = torch.tensor(self.tokens, dtype=torch.long, device=self.engine.device)
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[start:start + PREFILL_CHUNK]
             positions = torch.arange(start, start + len(chunk), device=ids.device)
@@ -242,6 +249,10 @@ class Generation:
 
 
 def generate(engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
-             cancel: Callable[[], bool] | None = None) -> Generation:
-    """Start a generation; iterate the result for steps, then read `.result`."""
-    return Generation(engine, prompt_ids, config, cancel)
+             cancel: Callable[[], bool] | None = None, resume_ids: list[int] = ()) -> Generation:  # type: ignore[assignment]
+    """Start a generation; iterate the result for steps, then read `.result`.
+
+    `resume_ids`: output of an earlier, interrupted generation with the same prompt and settings; it counts towards
+    `max_new_tokens` and the continuation equals what the uninterrupted generation would have produced.
+    """
+    return Generation(engine, prompt_ids, config, cancel, resume_ids)

@@ -72,9 +72,10 @@ class Engine:
             return self.runner.forward(tokens, positions, cache, block_mask, logits_rows)
         return self.model(tokens, positions, cache, block_mask, logits_rows)
 
-    def generate(self, prompt_ids: list[int], config: GenerationConfig,
-                 cancel: Callable[[], bool] | None = None) -> Generation:
-        return generate(self, prompt_ids, config, cancel)
+    def generate(self, prompt_ids: list[int], config: GenerationConfig, cancel: Callable[[], bool] | None = None,
+                 resume_ids: list[int] = ()) -> Generation:  # type: ignore[assignment]
+        """See core.decoding.generate."""
+        return generate(self, prompt_ids, config, cancel, resume_ids)
 
     def tokenswift_steps(self, gen: Generation) -> Iterator[Step]:
         return tokenswift_steps(self, gen)
