@@ -1,10 +1,333 @@
-"""Benchmark (in progress)."""
+"""The benchmark: TokenSwift against vanilla decoding and transformers' generate, side by side in one process.
+
+Every method runs on the same prompts, seed and settings; the method order rotates with each prompt and repeat so
+machine drift hits all alike. One generation per (method, prompt, repeat) runs to the longest length; the figures
+at each shorter length are read off the same run (the time at which its L-th token appeared), which is what
+"speed at length L" means for a user waiting for L tokens. Speedups are medians of ratios measured side by side.
+
+Methods: `hf` (transformers `generate` on the same weights), `hf-lookup` (its prompt-lookup decoding,
+prompt_lookup_num_tokens=10), `ar` (our vanilla decoding), `tokenswift` (the engine's default draft mode),
+`tokenswift-fused` and `tokenswift-separate` (each draft mode explicitly).
+"""
+from __future__ import annotations
+
 import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METHODS = ("hf", "hf-lookup", "ar", "tokenswift", "tokenswift-fused", "tokenswift-separate")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", default="assets/bench_prompts.jsonl")
+    p.add_argument("--prompts", default=str(ROOT / "assets/bench_prompts.jsonl"), help="JSONL with a 'prompt' field")
+    p.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--lengths", default="1024,4096,8000", help="generated lengths to report, comma-separated")
+    p.add_argument("--methods", default="hf,hf-lookup,ar,tokenswift,tokenswift-separate")
+    p.add_argument("--sampling", default="studio", choices=["greedy", "studio", "paper"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--plot", default=None, help="write a Plotly chart (HTML) of speedup vs length")
+
+
+@dataclass
+class Run:
+    method: str
+    prompt: int
+    repeat: int
+    token_ids: list[int]
+    prefill_s: float
+    times: list[float]  # decode seconds elapsed when output token i appeared
+    steps: int = 0
+    accepted: int = 0
+    from_ngram: int = 0
+    step_tokens: list[int] = field(default_factory=list)  # tokens per step, cumulative boundaries for checkpoints
+    peak_rss_mb: float = 0.0
+
+    def time_at(self, n: int) -> float:
+        return self.times[min(n, len(self.times)) - 1]
+
+    def steps_at(self, n: int) -> tuple[int, int, int]:
+        """(steps, accepted drafts, n-gram drafts) up to the step that produced token n."""
+        if not self.step_tokens:
+            return 0, 0, 0
+        total, s = 0, 0
+        for s, k in enumerate(self.step_tokens, start=1):
+            total += k
+            if total >= n:
+                break
+        frac = s / len(self.step_tokens)
+        return s, round(self.accepted * frac), round(self.from_ngram * frac)
+
+
+class RssSampler:
+    """Peak resident memory of this process while a run is going (psutil, sampled every 50 ms)."""
+
+    def __enter__(self) -> "RssSampler":
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak = self.proc.memory_info().rss
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.05):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampling: Any) -> Run:
+    from core.decoding import GenerationConfig
+    from core.tokenswift import TokenSwiftOptions
+
+    if method.startswith("tokenswift-"):
+        from core.engine import Engine
+
+        mode = method.split("-", 1)[1]
+        engine = Engine(engine.loaded, engine.heads, replace(engine.options, draft_mode=mode))
+        engine.runner = getattr(engine, "runner", None) or None
+    config = GenerationConfig(max_new_tokens=length, method="ar" if method == "ar" else "tokenswift",
+                              sampling=sampling, ignore_eos=True)
+    times: list[float] = []
+    step_tokens: list[int] = []
+    with RssSampler() as rss:
+        gen = engine.generate(prompt_ids, config)
+        elapsed = 0.0
+        for step in gen:
+            elapsed += step.seconds
+            times.extend([elapsed] * len(step.token_ids))
+            step_tokens.append(len(step.token_ids))
+    r = gen.result
+    assert r is not None
+    return Run(method, 0, 0, r.token_ids, r.prefill_s, times, len(r.steps), sum(s.accepted for s in r.steps),
+               sum(s.from_ngram for s in r.steps), step_tokens, rss.peak / 2**20)
+
+
+def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: Any, eos: tuple[int, ...]) -> Run:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.first = True
+            self.t0 = 0.0
+
+        def put(self, value: torch.Tensor) -> None:
+            now = time.perf_counter()
+            if self.first:  # the prompt arrives first; decoding starts after the prefill's token
+                self.first = False
+                self.t0 = now
+                return
+            self.times.extend([now - self.t0] * value.numel())
+
+        def end(self) -> None:
+            pass
+
+    kwargs: dict[str, Any] = dict(max_new_tokens=length, min_new_tokens=length, suppress_tokens=list(eos),
+                                  repetition_penalty=sampling.penalty, pad_token_id=eos[0] if eos else 0)
+    if sampling.greedy:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k or None, min_p=sampling.min_p or None)
+    if method == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = 10
+    clock = Clock()
+    torch.manual_seed(sampling.seed)
+    ids = torch.tensor([prompt_ids], device=hf.device)
+    with RssSampler() as rss, torch.inference_mode():
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=clock, **kwargs)
+    total = time.perf_counter() - t0
+    new = out[0, len(prompt_ids):].tolist()
+    # the first new token comes with the prefill: count the prefill as the time until it appeared
+    prefill = clock.t0 - t0 if clock.t0 else 0.0
+    times = [0.0] + clock.times if len(clock.times) < len(new) else clock.times
+    del total
+    return Run(method, 0, 0, new, prefill, times[: len(new)], peak_rss_mb=rss.peak / 2**20)
+
+
+def distinct(tokens: list[int]) -> list[float]:
+    from core.metrics import distinct_n
+
+    return [round(distinct_n(tokens, n), 4) for n in (1, 2, 3, 4)]
+
+
+def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[dict[str, Any]]:
+    from core.tokenswift import GAMMA
+
+    rows = []
+    by = {(r.method, r.prompt, r.repeat): r for r in runs}
+    pairs = sorted({(r.prompt, r.repeat) for r in runs})
+    for L in lengths:
+        for m in methods:
+            mine = [by[(m, p, k)] for p, k in pairs if (m, p, k) in by]
+            tps = [L / r.time_at(L) for r in mine]
+
+            def ratio(base: str) -> float | None:
+                vals = [(L / by[(m, p, k)].time_at(L)) / (L / by[(base, p, k)].time_at(L))
+                        for p, k in pairs if (m, p, k) in by and (base, p, k) in by]
+                return round(statistics.median(vals), 3) if vals else None
+
+            row: dict[str, Any] = {
+                "method": m, "length": L, "runs": len(mine),
+                "prefill_s": round(statistics.median(r.prefill_s for r in mine), 3),
+                "decode_tok_s": round(statistics.median(tps), 2),
+                "speedup_vs_ar": ratio("ar"), "speedup_vs_hf": ratio("hf"),
+                "peak_rss_mb": round(max(r.peak_rss_mb for r in mine), 1),
+                "distinct_1_4": [round(statistics.mean(d), 4) for d in zip(*(distinct(r.token_ids[:L]) for r in mine))],
+            }
+            if m.startswith("tokenswift"):
+                st = [r.steps_at(L) for r in mine]
+                steps = sum(s for s, _, _ in st)
+                acc = sum(a for _, a, _ in st)
+                row.update(tokens_per_step=round(L * len(mine) / steps, 3) if steps else None,
+                           alpha=round(acc / (GAMMA * steps), 3) if steps else None,
+                           ngram_share=round(sum(g for _, _, g in st) / acc, 3) if acc else 0.0)
+                diffs = []
+                for p, k in pairs:
+                    if (m, p, k) in by and ("ar", p, k) in by:
+                        a, b = by[("ar", p, k)].token_ids[:L], by[(m, p, k)].token_ids[:L]
+                        diffs.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+                row["ids_equal_ar"] = all(d is None for d in diffs) if diffs else None
+                row["first_divergence"] = [d for d in diffs if d is not None]
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| length | method | decode tok/s | vs ar | vs hf | tokens/step | α | n-gram share | prefill s | "
+            "distinct-1..4 | peak RSS MB | ids = ar |")
+    lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "|".join(["---"] * 12) + "|"]
+    for r in rows:
+        f = lambda v: "–" if v is None else v  # noqa: E731
+        eq = r.get("ids_equal_ar")
+        lines.append(f"| {r['length']} | {r['method']} | {r['decode_tok_s']} | {f(r['speedup_vs_ar'])} | "
+                     f"{f(r['speedup_vs_hf'])} | {f(r.get('tokens_per_step'))} | {f(r.get('alpha'))} | "
+                     f"{f(r.get('ngram_share'))} | {r['prefill_s']} | "
+                     f"{'/'.join(str(round(d, 2)) for d in r['distinct_1_4'])} | {r['peak_rss_mb']} | "
+                     f"{'–' if eq is None else ('yes' if eq else 'NO ' + str(r['first_divergence']))} |")
+    return "\n".join(lines)
+
+
+def write_plot(runs: list[Run], path: Path, title: str) -> None:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("speedup over ar vs generated length",
+                                                        "decode tokens/s over the run"))
+    ar = {(r.prompt, r.repeat): r for r in runs if r.method == "ar"}
+    for m in sorted({r.method for r in runs}):
+        mine = [r for r in runs if r.method == m]
+        L = min(len(r.times) for r in mine)
+        xs = list(range(128, L + 1, 128))
+        if m != "ar" and ar:
+            ys = [statistics.median(ar[(r.prompt, r.repeat)].time_at(x) / r.time_at(x) for r in mine
+                                    if (r.prompt, r.repeat) in ar) for x in xs]
+            fig.add_trace(go.Scatter(x=xs, y=ys, name=f"{m} / ar", mode="lines"), row=1, col=1)
+        tps = [statistics.median(x / r.time_at(x) for r in mine) for x in xs]
+        fig.add_trace(go.Scatter(x=xs, y=tps, name=f"{m} tok/s", mode="lines"), row=1, col=2)
+    fig.update_xaxes(title_text="generated tokens")
+    fig.update_layout(title=title, template="plotly_white")
+    fig.write_html(str(path), include_plotlyjs=True)
+
+
+def hardware() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "cpu": platform.processor() or "", "cuda": None}
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        info["cuda"] = torch.cuda.get_device_name()
+    return info
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    raise RuntimeError("bench is not implemented yet")
+    from tqdm import tqdm
+
+    from core.engine import Engine
+    from core.sampling import PRESETS
+    from core.text import encode_prompt
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = prompts[: args.n_prompts] if args.n_prompts else prompts
+    if not prompts:
+        raise ValueError(f"no prompts in {args.prompts}")
+    heads = None if args.heads == "none" else args.heads
+    from core.__main__ import options_from
+
+    engine = Engine.load(args.model, heads=heads, device=args.device, options=options_from(args),
+                         compile=args.compile)
+    if args.compile:
+        print(f"compiling graphs ({engine.warm_up():.0f} s)", file=sys.stderr)
+    sampling = PRESETS[args.sampling].with_(seed=args.seed)
+    prompt_ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
+    longest = max(lengths)
+    limit = engine.max_context - engine.max_block
+    too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) + longest > limit]
+    if too_long:
+        raise ValueError(f"--lengths up to {longest} do not fit the model's context of {engine.max_context} tokens "
+                         f"with prompt(s) {too_long} (longest prompt {max(map(len, prompt_ids))} tokens); "
+                         f"the longest length that fits is {limit - max(map(len, prompt_ids))}")
+    hf = None
+    if any(m.startswith("hf") for m in methods):
+        from transformers import AutoModelForCausalLM
+
+        from core.loading import resolve
+
+        folder, _ = resolve(engine.loaded.name)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=engine.model.dtype).to(engine.device).eval()
+    eos = engine.model.cfg.eos_token_ids
+    runs: list[Run] = []
+    jobs = [(p, k) for k in range(args.repeats) for p in range(len(prompts))]
+    total = len(jobs) * len(methods)
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+    for j, (p, k) in enumerate(jobs):
+        order = methods[j % len(methods):] + methods[: j % len(methods)]  # rotate: drift hits every method
+        for m in order:
+            bar.set_postfix_str(f"{m} prompt {p} repeat {k}")
+            if m.startswith("hf"):
+                r = run_hf(hf, m, prompt_ids[p], longest, sampling, eos)
+            else:
+                r = run_ours(engine, m, prompt_ids[p], longest, sampling)
+            r.prompt, r.repeat = p, k
+            runs.append(r)
+            bar.update(1)
+    bar.close()
+    rows = summarize(runs, methods, lengths)
+    print(markdown(rows))
+    report = {"settings": {"sampling": args.sampling, **sampling.to_dict(), "lengths": lengths, "methods": methods,
+                           "prompts": len(prompts), "repeats": args.repeats, "model": engine.loaded.name,
+                           "heads": getattr(engine.heads, "meta", {}).get("base_model") if engine.heads else None,
+                           "options": asdict(engine.options), "compile": args.compile,
+                           "command": " ".join(sys.argv)},
+              "hardware": hardware(), "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        write_plot(runs, Path(args.plot), f"{engine.loaded.name}, {args.sampling} sampling")
+    return 0

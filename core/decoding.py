@@ -66,6 +66,7 @@ class Result:
     decode_s: float
     stop_reason: str  # eos | length | stop_string | cancelled
     steps: list[Step]
+    n_resumed: int = 0  # leading output tokens that came from an earlier, resumed generation
 
     @property
     def n_tokens(self) -> int:
@@ -73,12 +74,13 @@ class Result:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Decode throughput of this generation (resumed tokens not counted)."""
+        return (self.n_tokens - self.n_resumed) / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def mean_accepted(self) -> float:
         """Output tokens per decoding step (the model's own token included)."""
-        return self.n_tokens / len(self.steps) if self.steps else 0.0
+        return (self.n_tokens - self.n_resumed) / len(self.steps) if self.steps else 0.0
 
     def alpha(self, gamma: int = 4) -> float:
         """Acceptance rate as the paper defines it: accepted drafts / (gamma * steps)."""
@@ -120,11 +122,14 @@ class Generation:
         self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
         self.stream = TextStream(engine.tokenizer)
         self.steps: list[Step] = []
-        self.stream.push(list(resume_ids))
+        self.n_resumed = len(resume_ids)
+        self.tail = ""
+        self.text = self.stream.push(list(resume_ids))  # the output text so far, as streamed
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.stop_reason = ""
         self.result: Result | None = None
+        self.stats: dict[str, int] = {}  # method-specific counters (e.g. partial KV cache selections)
 
     # -- shared pieces ---------------------------------------------------------------------------------------------
 
@@ -185,24 +190,37 @@ class Generation:
         text = self.stream.push(kept)
         if self.stop_reason:
             text += self.stream.flush()
-        if cfg.stop_strings and any(s in self.stream.text[-(len(text) + max(map(len, cfg.stop_strings))):]
-                                    for s in cfg.stop_strings):
-            self.stop_reason = "stop_string"
+        text = self._cut_at_stop_string(text)
+        self.text += text
         self.decode_s += seconds
         if not kept:
             return None
+        new = self.n_out - self.n_resumed
         step = Step(len(self.steps), kept, text, accepted, min(from_ngram, accepted), min(from_heads, accepted),
-                    tree_size, seconds, self.n_out, self.n_out / self.decode_s if self.decode_s > 0 else 0.0)
+                    tree_size, seconds, self.n_out, new / self.decode_s if self.decode_s > 0 else 0.0)
         self.steps.append(step)
         return step
 
+    def _cut_at_stop_string(self, delta: str) -> str:
+        """The delta up to (not including) the first stop string that the text now contains."""
+        stops = self.config.stop_strings
+        if not stops or not delta:
+            return delta
+        # a stop string may straddle the old text and the delta: search from where it could begin
+        start = max(0, len(self.text) - max(map(len, stops)) + 1)
+        window = self.text[start:] + delta
+        hits = [window.find(s) for s in stops if s and s in window]
+        if not hits:
+            return delta
+        self.stop_reason = "stop_string"
+        return window[:min(hits)][len(self.text) - start:]
+
     def finish(self) -> Result:
-        text = self.stream.text
-        if self.stop_reason == "stop_string":
-            cut = min((text.find(s) for s in self.config.stop_strings if s in text), default=-1)
-            text = text[:cut] if cut >= 0 else text
-        self.result = Result(self.tokens[len(self.prompt_ids):], text, len(self.prompt_ids), self.prefill_s,
-                             self.decode_s, self.stop_reason or "length", self.steps)
+        # A character held back when the loop ended early (cancel, error): not in any step's text.
+        self.tail = "" if self.stop_reason == "stop_string" else self.stream.flush()
+        self.text += self.tail
+        self.result = Result(self.tokens[len(self.prompt_ids):], self.text, len(self.prompt_ids), self.prefill_s,
+                             self.decode_s, self.stop_reason or "length", self.steps, self.n_resumed)
         return self.result
 
     # -- iteration -------------------------------------------------------------------------------------------------

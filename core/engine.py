@@ -63,8 +63,16 @@ class Engine:
 
     @property
     def max_block(self) -> int:
-        """The most tokens one forward appends beyond the committed sequence."""
-        return max(self.options.tree_budget, 1) + 1
+        """The most tokens one forward appends beyond the committed sequence (compiled graphs pad up to a size)."""
+        padded = self.runner.bucket(self.options.tree_budget) if self.runner is not None else None
+        return max(self.options.tree_budget, padded or 0) + 1
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compile the graphs this engine's decoding uses (one token, and one tree); seconds spent."""
+        if self.runner is None:
+            return 0.0
+        sizes = {1, self.runner.bucket(self.options.tree_budget)}
+        return self.runner.warm_up(tuple(sorted(s for s in sizes if s)), progress)
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
                 block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:

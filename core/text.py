@@ -41,11 +41,17 @@ class TextStream:
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
         prefix_text = self._decode(self.ids[self.prefix:self.read])
-        full = self._decode(self.ids[self.prefix:])
-        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+        # Hold back the trailing tokens of an incomplete character (at most 3 of a 4-byte one), not the whole push.
+        for end in range(len(self.ids), max(self.read, len(self.ids) - 4), -1):
+            full = self._decode(self.ids[self.prefix:end])
+            if not full.endswith("\ufffd"):
+                break
+        else:
+            return ""
+        if len(full) <= len(prefix_text):
             return ""
         delta = full[len(prefix_text):]
-        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix, self.read = self.read, end
         self.text += delta
         return delta
 

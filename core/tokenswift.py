@@ -129,6 +129,8 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
         step = gen.emit(path + [token], time.perf_counter() - t0, accepted=len(path), from_ngram=from_ngram,
                         from_heads=len(path) - from_ngram, tree_size=len(tree))
         table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
+        if partial is not None:
+            gen.stats["partial_selections"] = partial.selections
         if step is not None:
             yield step
 

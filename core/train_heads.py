@@ -1,10 +1,331 @@
-"""Head training (in progress)."""
+"""Training the drafting heads by self-distillation, reproducibly, on a CPU.
+
+`python -m core train-heads --model smollm2-135m --out assets/heads/smollm2-135m.safetensors` runs four resumable
+stages, caching their products outside git (`--data-dir`, default under TOKENSWIFT_CACHE):
+1. data: the base model continues every writing prompt in assets/prompts/train_prompts.jsonl (chat template, the
+   studio sampling settings, end-of-sequence suppressed), batched; one JSON line per sample.
+2. hidden: the frozen model's pre-final-norm hidden states at every output position (what the heads read).
+3. train: the heads alone, loss = sum of the cross-entropies for tokens t+2, t+3, t+4 (AdamW, warmup + cosine, as in
+   the paper), over the heads' vocabulary (the ids the model writes most); checkpointed, resumable, time-budgeted.
+4. eval: per-head top-1/top-3 accuracy on held-out prompts' text; a JSON card is written beside the heads.
+"""
+from __future__ import annotations
+
 import argparse
+import json
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default=None, help="heads file (default assets/heads/<model>.safetensors)")
+    p.add_argument("--prompts", default=str(ROOT / "assets/prompts/train_prompts.jsonl"))
+    p.add_argument("--data-dir", default=None, help="cache of generated data and checkpoints (outside git)")
+    p.add_argument("--stage", default="all", choices=["all", "data", "hidden", "train", "eval"])
+    p.add_argument("--gen-tokens", type=int, default=1024, help="tokens generated per prompt")
+    p.add_argument("--gen-batch", type=int, default=16)
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for evaluation")
+    p.add_argument("--head-vocab", type=int, default=8192, help="ids the heads score (0 = whole vocabulary)")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-tokens", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this long")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def data_dir_for(args: argparse.Namespace) -> Path:
+    if args.data_dir:
+        return Path(args.data_dir)
+    from core.loading import cache_root
+
+    return cache_root() / "train-data" / args.model.replace("/", "--")
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def split_ids(prompts: list[dict[str, Any]], holdout: float, seed: int) -> set[str]:
+    """Ids of the held-out prompts (a fixed random subset)."""
+    ids = sorted(p["id"] for p in prompts)
+    random.Random(seed).shuffle(ids)
+    return set(ids[: max(1, int(len(ids) * holdout))])
+
+
+# --- stage 1: self-distilled text -----------------------------------------------------------------------------------
+
+def stage_data(args: argparse.Namespace, data: Path) -> None:
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from core.loading import load_tokenizer, resolve
+    from core.sampling import PRESETS
+    from core.text import encode_prompt
+
+    out = data / "samples.jsonl"
+    done = {json.loads(line)["key"] for line in out.read_text().splitlines()} if out.exists() else set()
+    folder, _ = resolve(args.model)
+    tokenizer = load_tokenizer(folder)
+    todo = [(f"{p['id']}#{k}", p["id"], encode_prompt(tokenizer, p["prompt"]), k)
+            for p in read_prompts(args.prompts) for k in range(args.samples_per_prompt)]
+    todo = [t for t in todo if t[0] not in done]
+    if not todo:
+        return
+    todo.sort(key=lambda t: len(t[2]))  # similar lengths per batch: little padding
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    s = PRESETS["studio"]
+    special = sorted(set(tokenizer.all_special_ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else special[0]
+    bar = tqdm(total=len(todo), desc="generating", unit="sample")
+    with out.open("a") as f:
+        for i in range(0, len(todo), args.gen_batch):
+            batch = todo[i:i + args.gen_batch]
+            width = max(len(t[2]) for t in batch)
+            ids = torch.tensor([[pad] * (width - len(t[2])) + t[2] for t in batch])
+            mask = torch.tensor([[0] * (width - len(t[2])) + [1] * len(t[2]) for t in batch])
+            torch.manual_seed(args.seed * 100_003 + i)
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.gen_tokens,
+                                     do_sample=True, temperature=s.temperature, top_p=s.top_p,
+                                     repetition_penalty=s.penalty, suppress_tokens=special, pad_token_id=pad)
+            for (key, pid, prompt_ids, _), row in zip(batch, gen[:, width:].tolist()):
+                f.write(json.dumps({"key": key, "prompt_id": pid, "prompt": prompt_ids, "output": row}) + "\n")
+            f.flush()
+            bar.update(len(batch))
+    bar.close()
+
+
+def read_samples(data: Path) -> list[dict[str, Any]]:
+    path = data / "samples.jsonl"
+    if not path.exists():
+        raise RuntimeError(f"no generated data in {data}: run the data stage first")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --- stage 2: hidden states -----------------------------------------------------------------------------------------
+
+N_HEADS = 3
+
+
+def stage_hidden(args: argparse.Namespace, data: Path) -> None:
+    from tqdm import tqdm
+
+    from core.loading import load_model
+
+    target = data / "hidden.pt"
+    if target.exists():
+        return
+    samples = read_samples(data)
+    held = split_ids(read_prompts(args.prompts), args.holdout, args.seed)
+    lm = load_model(args.model, device="cpu")
+    model = lm.model
+    parts: dict[str, dict[str, list[torch.Tensor]]] = {"train": {"h": [], "y": []}, "eval": {"h": [], "y": []}}
+    for sample in tqdm(samples, desc="hidden states", unit="sample"):
+        seq = sample["prompt"] + sample["output"]
+        start = len(sample["prompt"]) - 1  # h at the last prompt token predicts the first output token
+        cache = model.new_cache(len(seq))
+        ids = torch.tensor(seq)
+        hs = []
+        with torch.inference_mode():
+            for c in range(0, len(seq), 512):
+                hs.append(model.hidden(ids[c:c + 512], torch.arange(c, min(c + 512, len(seq))), cache))
+                cache.commit()
+        h = torch.cat(hs)[start:]
+        n = h.shape[0]
+        # head k (1-based) at position t predicts token t+1+k; -1 where the sequence has ended
+        y = torch.full((n, N_HEADS), -1, dtype=torch.long)
+        for k in range(1, N_HEADS + 1):
+            tgt = ids[start + 1 + k:]
+            y[: len(tgt), k - 1] = tgt[:n]
+        split = "eval" if sample["prompt_id"] in held else "train"
+        parts[split]["h"].append(h.half())
+        parts[split]["y"].append(y)
+    torch.save({split: {"h": torch.cat(v["h"]), "y": torch.cat(v["y"])} for split, v in parts.items()}, target)
+
+
+# --- stage 3: training ----------------------------------------------------------------------------------------------
+
+def head_vocab(y: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor | None:
+    """The `size` most frequent target ids (sorted), or None for the whole vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = Counter(y[y >= 0].tolist())
+    return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.long)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def head_losses(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+    """Cross-entropy per head over the heads' vocabulary; targets outside it are ignored."""
+    logits = heads.logits(h, model)  # [3, n, V']
+    targets = y.T if remap is None else remap[y.clamp(min=0)].T.masked_fill(y.T < 0, -1)
+    return torch.stack([F.cross_entropy(logits[k], targets[k], ignore_index=-1) for k in range(logits.shape[0])])
+
+
+def stage_train(args: argparse.Namespace, data: Path) -> None:
+    from tqdm import tqdm
+
+    from core.heads import DraftHeads, save_heads
+    from core.loading import load_model
+
+    tensors = torch.load(data / "hidden.pt")
+    h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
+    lm = load_model(args.model, device="cpu")
+    model = lm.model
+    vocab = head_vocab(y_all, args.head_vocab, model.cfg.vocab_size)
+    remap = None
+    if vocab is not None:
+        remap = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
+        remap[vocab] = torch.arange(len(vocab))
+    ckpt_path = data / "checkpoint.pt"
+    heads = DraftHeads.initial(model, N_HEADS, vocab)
+    heads.requires_grad_(True).train()
+    decay = [p for n, p in heads.named_parameters() if n.startswith("proj")]
+    no_decay = [p for n, p in heads.named_parameters() if not n.startswith("proj")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    step, history = 0, []
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path)
+        heads.load_state_dict(ckpt["heads"])
+        opt.load_state_dict(ckpt["opt"])
+        step, history = ckpt["step"], ckpt["history"]
+    gen = torch.Generator().manual_seed(args.seed)
+    for _ in range(step):  # the same batches as an uninterrupted run
+        torch.randint(len(h_all), (args.batch_tokens,), generator=gen)
+    deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
+    bar = tqdm(total=args.steps, initial=step, desc="training", unit="step")
+
+    def checkpoint() -> None:
+        torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, "history": history},
+                   ckpt_path)
+
+    while step < args.steps:
+        idx = torch.randint(len(h_all), (args.batch_tokens,), generator=gen)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        losses = head_losses(heads, model, h_all[idx].float(), y_all[idx], remap)
+        opt.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        opt.step()
+        step += 1
+        history.append([step] + [round(v, 4) for v in losses.tolist()])
+        bar.update(1)
+        bar.set_postfix_str(" ".join(f"{v:.3f}" for v in losses.tolist()))
+        if step % 200 == 0:
+            checkpoint()
+        if deadline and time.monotonic() > deadline:
+            print(f"\nstopping at step {step}: --max-minutes reached (checkpoint saved; run again to resume)")
+            break
+    bar.close()
+    checkpoint()
+    out = out_path(args)
+    heads.eval().requires_grad_(False)
+    n_train = int((y_all[:, 0] >= 0).sum())
+    save_heads(heads, out, model, args.model, {"steps": step, "train_tokens": n_train})
+
+
+def out_path(args: argparse.Namespace) -> Path:
+    return Path(args.out) if args.out else ROOT / "assets" / "heads" / f"{args.model.replace('/', '--')}.safetensors"
+
+
+# --- stage 4: evaluation and the card -------------------------------------------------------------------------------
+
+@torch.no_grad()
+def head_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> list[dict[str, float]]:
+    """Top-1 / top-3 accuracy per head against the full-vocabulary targets."""
+    hits1 = torch.zeros(heads.n_heads)
+    hits3 = torch.zeros(heads.n_heads)
+    count = torch.zeros(heads.n_heads)
+    for c in range(0, len(h), 2048):
+        logits = heads.logits(h[c:c + 2048].float(), model)
+        top = logits.topk(3, dim=-1).indices
+        if heads.vocab.numel():
+            top = heads.vocab[top]
+        yy = y[c:c + 2048].T  # [3, n]
+        valid = yy >= 0
+        hit = top == yy[..., None]
+        hits1 += (hit[..., 0] & valid).sum(1)
+        hits3 += (hit.any(-1) & valid).sum(1)
+        count += valid.sum(1)
+    return [{"top1": round(float(hits1[k] / count[k]), 4), "top3": round(float(hits3[k] / count[k]), 4)}
+            for k in range(heads.n_heads)]
+
+
+def stage_eval(args: argparse.Namespace, data: Path) -> None:
+    from core.heads import load_heads
+    from core.loading import load_model
+
+    tensors = torch.load(data / "hidden.pt")
+    lm = load_model(args.model, device="cpu")
+    out = out_path(args)
+    heads = load_heads(out, lm.model, args.model)
+    acc = head_accuracy(heads, lm.model, tensors["eval"]["h"], tensors["eval"]["y"])
+    ckpt = torch.load(data / "checkpoint.pt")
+    history = ckpt["history"]
+    tail = history[-50:]
+    final = [round(sum(r[k] for r in tail) / len(tail), 4) for k in range(1, N_HEADS + 1)]
+    samples = read_samples(data)
+    y_train = tensors["train"]["y"]
+    coverage = None
+    if heads.vocab.numel():
+        in_vocab = torch.isin(y_train[:, 0][y_train[:, 0] >= 0], heads.vocab)
+        coverage = round(float(in_vocab.float().mean()), 4)
+    card = {
+        "base_model": args.model,
+        "file": out.name,
+        "architecture": "3 chained residual heads: h_k = h_{k-1} + W_k RMSNorm_k(h_{k-1}); logits_k = "
+                        "lm_head(post-norm_k(h_k)), shared frozen lm_head restricted to the heads' vocabulary",
+        "data": {
+            "source": "self-distillation: the base model's own continuations of assets/prompts/train_prompts.jsonl "
+                      "(chat template, studio sampling T=0.7 top-p=0.9 θ=1.1, special tokens suppressed)",
+            "prompts": len({s["prompt_id"] for s in samples}),
+            "samples": len(samples),
+            "generated_tokens": sum(len(s["output"]) for s in samples),
+            "train_positions": int((y_train[:, 0] >= 0).sum()),
+            "eval_positions": int((tensors["eval"]["y"][:, 0] >= 0).sum()),
+            "held_out_prompts": args.holdout,
+        },
+        "head_vocab": {"size": int(heads.vocab.numel()) or lm.config.vocab_size, "train_target_coverage": coverage},
+        "training": {"steps": ckpt["step"], "batch_tokens": args.batch_tokens, "lr": args.lr,
+                     "weight_decay": args.weight_decay, "warmup": args.warmup, "schedule": "linear warmup + cosine",
+                     "optimizer": "AdamW(0.9, 0.95)", "final_loss_per_head": final, "seed": args.seed},
+        "held_out_accuracy": {f"head{k + 1} (t+{k + 2})": a for k, a in enumerate(acc)},
+        "command": "python -m core train-heads --model {m} --gen-tokens {g} --steps {s} --batch-tokens {b} "
+                   "--lr {lr} --head-vocab {v}".format(m=args.model, g=args.gen_tokens, s=args.steps,
+                                                        b=args.batch_tokens, lr=args.lr, v=args.head_vocab),
+    }
+    out.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card["held_out_accuracy"], indent=1))
 
 
 def run_training(args: argparse.Namespace) -> int:
-    raise RuntimeError("train-heads is not implemented yet")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = data_dir_for(args)
+    data.mkdir(parents=True, exist_ok=True)
+    stages = ["data", "hidden", "train", "eval"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        print(f"== {stage} ({data})", flush=True)
+        {"data": stage_data, "hidden": stage_hidden, "train": stage_train, "eval": stage_eval}[stage](args, data)
+    return 0

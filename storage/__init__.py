@@ -20,7 +20,7 @@ from .queries import (
     get_project, get_run, get_run_token_ids, get_steps, get_worker_states, is_cancel_requested,
     latest_run_for_chapter, list_chapters, list_comparisons, list_projects, list_revisions, list_runs,
     mark_interrupted, move_chapter, queue_position, rename_project, request_cancel, set_chapter_text,
-    set_worker_state, settle_comparison, start_chapter_run, update_chapter, update_project,
+    set_run_prompt, set_worker_state, settle_comparison, start_chapter_run, update_chapter, update_project,
 )
 
 __all__ = [

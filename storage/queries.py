@@ -391,6 +391,13 @@ def append_output(db: Database, run_id: int, text_delta: str = "", token_ids_del
             s.execute(insert(StepMetric), rows)
 
 
+def set_run_prompt(db: Database, run_id: int, prompt: str) -> None:
+    """Record the prompt a worker built for its running run (resumes and later chunks reuse it exactly)."""
+    prompt = _text(prompt, "Prompt", MAX_PROMPT)
+    with db.write() as s:
+        s.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(prompt=prompt))
+
+
 def finish_run(db: Database, run_id: int, status: str, error: str | None = None, *,
                prefill_s: float | None = None, decode_s: float | None = None) -> Run:
     """End a running run as done / failed / cancelled / interrupted, and fix its chapter's status.

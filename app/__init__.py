@@ -1,0 +1,1 @@
+"""TokenSwift Studio application: the Gradio UI, the background generation worker and what they share."""

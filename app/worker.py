@@ -1,0 +1,613 @@
+"""The background generation worker: claims queued runs, generates them, streams text and metrics into storage.
+
+One `Worker` owns one engine (loaded once, lazily, in the worker's own thread) and runs queued runs oldest first.
+It is the only writer of generated text. Use it in-process (`Worker(db).start()`, as app.py does), as its own
+process (`python -m app.worker --db PATH --model SPEC`; several may share one database, the atomic claim hands each
+run to exactly one), or one chunk at a time (`process_one(time_budget_s=...)`, for ZeroGPU, where the GPU exists
+only inside a request).
+
+What the UI sees (all through storage):
+- worker state: "loading model" → ("compiling") → "ready", or "failed" with the reason; "stopped" at the end. The
+  message says what the worker is doing and ends with the engine's one-time notices ("Note: no trained drafting
+  heads for this model: …"), so the header line can show them without a separate channel.
+- run progress: text, token ids and step rows appended every FLUSH_S (0.5 s) in one short transaction, plus the
+  first step at once; a heartbeat thread keeps the run's heartbeat fresh through long prefills.
+- run end: done / cancelled / failed with a readable message (the traceback goes to the log) / interrupted.
+
+Chunked runs (`time_budget_s`): when the budget is spent the output so far is flushed and the run stays "running"
+(owned by this worker id); the next `process_one` call finds it first and continues it with its own stored token
+ids as `resume_ids`. Sampling is position-keyed, so the chunks add up to exactly the uninterrupted output. A resume
+run ("resume" mode) works the same way with the token ids of the runs it resumes (app.jobs.resume_chain).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import storage as st
+from app.jobs import resume_chain, user_settings, validate_settings
+from app.prompting import build_chapter_prompt, prompt_budget
+from core.metrics import REPETITION_WINDOW, RepetitionTracker
+
+if TYPE_CHECKING:
+    from core.decoding import GenerationConfig
+    from core.engine import Engine
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 0.5  # the UI polls about this often; each flush rewrites the run row, so never per token
+CANCEL_CHECK_S = 0.1  # a GPU step can take a few ms: polling the database each step would slow fast decoding
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 60.0  # another worker's run without a heartbeat for this long is taken as abandoned
+SWEEP_S = 30.0
+DEFAULT_MODEL = "smollm2-135m"  # core.loading.DEFAULT_MODEL (not imported: importing core.loading loads torch)
+# core/tokenswift.py's notice, added up front so the UI can say it before the first TokenSwift run.
+NO_HEADS_NOTICE = "no trained drafting heads for this model: TokenSwift drafts from n-grams only"
+
+
+class RunFailed(Exception):
+    """A run cannot be generated; the message is for the user."""
+
+
+@dataclass
+class Outcome:
+    """What `execute` did with a run: done, cancelled, failed, interrupted (worker stopping), paused (budget spent,
+    still running) or lost (someone else ended the run meanwhile)."""
+
+    status: str
+    error: str | None = None
+
+
+@dataclass
+class _Job:
+    prompt_ids: list[int]
+    config: GenerationConfig
+    resume_ids: list[int]  # earlier runs' ids + this run's own stored ids
+    n_earlier: int  # tokens of earlier runs (not this run's)
+    own_before: int  # this run's tokens written by earlier chunks
+    step_offset: int  # step rows already stored for this run
+    prior_decode_s: float
+    prior_prefill_s: float
+
+
+@dataclass
+class _Pending:
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.ids or self.steps)
+
+    def clear(self) -> None:
+        self.text.clear()
+        self.ids.clear()
+        self.steps.clear()
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def describe_error(e: BaseException) -> str:
+    """A one-paragraph message for a failed run (no traceback)."""
+    text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
+        return ("Out of memory while generating. Lower max new tokens, shorten the prompt, use the ar method or a "
+                "smaller model.")
+    if isinstance(e, ValueError):
+        return f"Bad settings or prompt: {text or type(e).__name__}."
+    if isinstance(e, st.StorageError) or type(e).__module__.startswith("sqlalchemy"):
+        return f"Database error: {text}"
+    return f"Model error ({type(e).__name__}){': ' + text if text else ''}."
+
+
+def same_model(a: str | None, b: str | None) -> bool:
+    """Whether two model specs name the same model (equal strings, or paths to the same folder/file)."""
+    if a == b:
+        return True
+    if not a or not b:
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+class Worker:
+    """Runs queued generation runs on one engine; see the module docstring."""
+
+    def __init__(self, db: st.Database, model: str | None = None, heads: str | Path | None = "default",
+                 device: str | None = None, compile: bool = False, worker_id: str | None = None,
+                 poll_s: float = 0.5, *, engine: Engine | None = None, flush_s: float = FLUSH_S,
+                 stale_after_s: float = STALE_AFTER_S):
+        self.db = db
+        self.model = model or os.environ.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL
+        if engine is not None:
+            self.model = model or engine.loaded.name
+        self.heads = heads
+        self.device = device
+        self.compile = compile
+        self.worker_id = worker_id or default_worker_id()
+        self.poll_s = poll_s
+        self.flush_s = flush_s
+        self.stale_after_s = stale_after_s
+        self.engine: Engine | None = engine
+        self.load_error: str | None = None
+        self.state = ("stopped", "")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._load_lock = threading.Lock()
+        self._busy = threading.Lock()  # one run at a time, whoever calls process_one
+        self._state_lock = threading.Lock()
+        self._started = False
+        self._last_sweep = 0.0
+        self._last_state_write = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> Worker:
+        """Run `run_forever` in a daemon thread (loads the model there) and return at once."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self.run_forever, name=f"worker-{self.worker_id}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Ask the worker to stop and wait for its thread; a run in progress is flushed and marked interrupted
+        (resumable). Returns whether the thread ended within `timeout`."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current step (safe from a signal handler); `stop` also waits."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run_forever(self) -> None:
+        """Load the model, then claim and run queued runs until `stop()`; returns early if the model fails to
+        load (state "failed"). Errors of single runs never end the loop."""
+        try:
+            self._startup()
+        except st.StorageError:
+            log.exception("worker %s: could not flag abandoned runs", self.worker_id)
+        try:
+            self.ensure_engine()
+        except RunFailed:
+            return  # the state says "failed" with the reason; ensure_engine logged the traceback
+        try:
+            while not self._stop.is_set():
+                try:
+                    worked = self.process_one()
+                except Exception:  # a database hiccup (e.g. locked longer than the busy timeout): retry later
+                    log.exception("worker %s: error outside a run; retrying", self.worker_id)
+                    worked = False
+                if not worked:
+                    self._idle()
+                    self._stop.wait(self.poll_s)
+        finally:
+            self._set_state("stopped", "Stopped.", force=True)
+
+    def _startup(self) -> None:
+        """Once: flag runs this worker id left running (it was killed with them) and runs of dead workers."""
+        if self._started:
+            return
+        self._started = True
+        ids = st.mark_interrupted(self.db, self.worker_id, stale_after_s=self.stale_after_s)
+        if ids:
+            log.warning("marked runs %s interrupted (left running by a stopped worker)", ids)
+        self._last_sweep = time.monotonic()
+
+    def _idle(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep > SWEEP_S:
+            self._last_sweep = now
+            try:
+                if ids := st.mark_interrupted(self.db, stale_after_s=self.stale_after_s):
+                    log.warning("marked runs %s interrupted (their worker stopped sending heartbeats)", ids)
+            except st.StorageError:
+                log.exception("stale-run sweep failed")
+        if now - self._last_state_write > 2 * HEARTBEAT_S:
+            self._set_state("ready", self._message("Idle."), force=True)  # doubles as the idle heartbeat
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def _message(self, activity: str) -> str:
+        notices = list(self.engine.notices) if self.engine is not None else []
+        return " ".join([activity] + [f"Note: {n[:1].upper()}{n[1:]}." for n in notices])
+
+    def _set_state(self, state: str, message: str, force: bool = False) -> None:
+        with self._state_lock:
+            if not force and (state, message) == self.state:
+                return
+            self.state = (state, message)
+            try:
+                st.set_worker_state(self.db, self.worker_id, state, message, model=self.model, pid=os.getpid())
+                self._last_state_write = time.monotonic()
+            except Exception:  # a locked or unreachable database must not stop the worker over a status line
+                log.exception("could not record worker state %r", state)
+
+    # -- the engine ---------------------------------------------------------------------------------------------
+
+    def ensure_engine(self) -> Engine:
+        """The engine, loading it on first use (state "loading model", "compiling", then "ready").
+
+        Raises RunFailed with the reason if loading failed (now or before); the state is then "failed".
+        """
+        with self._load_lock:
+            if self.engine is not None:
+                return self.engine
+            if self.load_error is not None:
+                raise RunFailed(self.load_error)
+            self._set_state("loading model", f"Loading {self.model}…")
+            try:
+                engine = self._load()
+            except Exception as e:
+                self.load_error = f"Could not load model {self.model}: {describe_load_error(e)}"
+                log.exception("worker %s: %s", self.worker_id, self.load_error)
+                self._set_state("failed", self.load_error)
+                raise RunFailed(self.load_error) from e
+            self.engine = engine
+            self._set_state("ready", self._message("Idle."))
+            return engine
+
+    def _load(self) -> Engine:
+        from core.engine import Engine
+        from core.tokenswift import warn_once
+
+        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=self.compile)
+        if self.compile:
+            # Compile now, under the "compiling" state, rather than inside the first user's run (compiled graphs
+            # that were not warmed up are skipped, so without this compiling would not take effect at all).
+            self._set_state("compiling", "Compiling the model's graphs (minutes the first time)…")
+            engine.warm_up(lambda what: self._set_state("compiling", f"Compiling: {what}…"))
+        if engine.heads is None:
+            warn_once(engine, NO_HEADS_NOTICE)
+        return engine
+
+    # -- the queue ----------------------------------------------------------------------------------------------
+
+    def process_one(self, time_budget_s: float | None = None) -> bool:
+        """Continue this worker's paused run, else claim the oldest queued run; run it (for at most
+        `time_budget_s` seconds of generation, then pause it). Returns False if there was nothing to do."""
+        with self._busy:
+            self.ensure_engine()
+            self._startup()
+            run = self._own_paused_run() or st.claim_next_run(self.db, self.worker_id)
+            if run is None:
+                return False
+            self.execute(run, time_budget_s)
+            return True
+
+    def _own_paused_run(self) -> st.Run | None:
+        for active in st.active_runs(self.db):
+            if active.status == "running" and active.worker_id == self.worker_id:
+                return st.get_run(self.db, active.id)
+        return None
+
+    def execute(self, run: st.Run, time_budget_s: float | None = None) -> Outcome:
+        """Generate a claimed (running) run, persisting as it goes; never raises for the run's own failures."""
+        deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+        label = f"Generating run {run.id}" + (f" (chapter {run.chapter_id})" if run.chapter_id else "") + "."
+        self._set_state("ready", self._message(label))
+        try:
+            try:
+                if st.is_cancel_requested(self.db, run.id):  # cancelled between claim and start, or between chunks
+                    return self._finish(run, "cancelled")
+                job = self._prepare(run)
+            except RunFailed as e:
+                return self._finish(run, "failed", str(e))
+            except Exception as e:
+                log.exception("run %s: could not be prepared", run.id)
+                return self._finish(run, "failed", describe_error(e))
+            try:
+                return self._generate(run, job, deadline)
+            except Exception as e:  # a bug in the bookkeeping: still end the run rather than leave it running
+                log.exception("run %s: unexpected error", run.id)
+                return self._finish(run, "failed", describe_error(e))
+        finally:
+            self._set_state("ready", self._message("Idle."))
+
+    def _finish(self, run: st.Run, status: str, error: str | None = None, **timings: float) -> Outcome:
+        try:
+            ended = st.finish_run(self.db, run.id, status, error, **timings)
+        except st.StorageError:
+            log.exception("run %s: could not be marked %s", run.id, status)
+            return Outcome("lost", error)
+        if ended.status != status:  # someone else (e.g. a stale-run sweep) ended it first
+            return Outcome("lost", ended.error)
+        log.info("run %s: %s%s", run.id, status, f" ({error})" if error else "")
+        return Outcome(status, error)
+
+    # -- one run --------------------------------------------------------------------------------------------------
+
+    def _prepare(self, run: st.Run) -> _Job:
+        """Settings, prompt and earlier token ids of a run; RunFailed with a readable reason if unusable."""
+        engine = self.engine
+        assert engine is not None
+        if not same_model(run.model, self.model):
+            raise RunFailed(f"This run asks for model {run.model!r}, but this worker serves {self.model!r}. "
+                            "Queue it again for the model that is loaded.")
+        if not run.settings:
+            raise RunFailed("This run has no generation settings (they are missing or damaged in the database). "
+                            "Queue it again.")
+        try:
+            settings = validate_settings(user_settings(run.settings), context=engine.max_context)
+            config = generation_config(settings, run.method)
+        except ValueError as e:
+            raise RunFailed(f"Bad settings: {e}") from None
+
+        try:
+            chain = resume_chain(self.db, run)
+            earlier = [t for r in chain for t in st.get_run_token_ids(self.db, r.id)]
+            own = st.get_run_token_ids(self.db, run.id)  # non-empty only when continuing a paused chunked run
+        except (ValueError, st.StorageError) as e:
+            raise RunFailed(f"The earlier output cannot be resumed: {e}") from None
+        if run.mode == "resume" and not earlier:
+            raise RunFailed("Nothing to resume: the earlier run wrote no tokens.")
+        # A resume must see exactly the prompt the first run saw; app.jobs copies it, storage callers may not.
+        prompt = run.prompt or (chain[0].prompt if chain else None) or self._chapter_prompt(run, settings)
+        try:
+            from core.text import encode_prompt
+
+            prompt_ids = encode_prompt(engine.tokenizer, prompt)
+        except ValueError as e:
+            raise RunFailed(f"The prompt cannot be used: {e}.") from None
+        if len(prompt_ids) + config.max_new_tokens > engine.max_context:
+            raise RunFailed(f"The prompt ({len(prompt_ids):,} tokens) and max new tokens "
+                            f"({config.max_new_tokens:,}) exceed the model's context of {engine.max_context:,} "
+                            "tokens. Lower max new tokens or shorten the prompt.")
+
+        resume_ids = earlier + own
+        if len(resume_ids) >= config.max_new_tokens:
+            raise RunFailed(f"Nothing to resume: {len(resume_ids):,} of {config.max_new_tokens:,} tokens are "
+                            "already written.")
+        offset, prior_decode_s = 0, 0.0
+        if own:
+            steps = st.get_steps(self.db, run.id)
+            offset = steps[-1].step + 1 if steps else 0
+            prior_decode_s = sum(s.step_ms for s in steps) / 1000
+        return _Job(prompt_ids, config, resume_ids, len(earlier), len(own), offset, prior_decode_s,
+                    run.prefill_s or 0.0)
+
+    def _chapter_prompt(self, run: st.Run, settings: dict[str, Any]) -> str:
+        """Build a chapter run's prompt now (the earlier chapters may have been written since it was queued) and
+        save it in the run, so a later resume or chunk uses exactly the same text."""
+        engine = self.engine
+        assert engine is not None
+        if run.chapter_id is None:
+            raise RunFailed("This run has no prompt and no chapter (was the chapter deleted?).")
+        try:
+            chapter = st.get_chapter(self.db, run.chapter_id)
+            project = st.get_project(self.db, chapter.project_id)
+            chapters = st.list_chapters(self.db, chapter.project_id, with_text=True)
+        except st.NotFoundError as e:
+            raise RunFailed(f"The chapter to write is gone: {e}") from None
+        budget = prompt_budget(engine.max_context, settings["max_new_tokens"])
+        try:
+            prompt = build_chapter_prompt(project, chapters, chapter, engine.tokenizer, budget, mode=run.mode)
+        except ValueError as e:
+            raise RunFailed(f"The prompt does not fit: {e}.") from None
+        st.set_run_prompt(self.db, run.id, prompt)
+        return prompt
+
+    def _generate(self, run: st.Run, job: _Job, deadline: float | None) -> Outcome:
+        engine = self.engine
+        assert engine is not None
+        n_resume = len(job.resume_ids)
+        tracker = RepetitionTracker(tokens=job.resume_ids[-REPETITION_WINDOW:])
+        pending = _Pending()
+        cancel = _CancelCheck(self.db, run.id, self._stop)
+        try:
+            gen = engine.generate(job.prompt_ids, job.config, cancel=cancel, resume_ids=job.resume_ids)
+        except Exception as e:
+            log.exception("run %s: the engine refused it", run.id)
+            return self._finish(run, "failed", describe_error(e))
+        last_flush = 0.0  # the first step is flushed at once: the UI shows text right after the prefill
+
+        def progress() -> dict[str, float]:
+            own_tokens = job.own_before + gen.n_out - n_resume
+            own_steps = job.step_offset + len(gen.steps)
+            decode_s = job.prior_decode_s + gen.decode_s
+            return {"prefill_s": job.prior_prefill_s + gen.prefill_s,
+                    "tokens_per_s": own_tokens / decode_s if decode_s > 0 else 0.0,
+                    "mean_accepted": own_tokens / own_steps if own_steps else 0.0}
+
+        def flush() -> None:
+            nonlocal last_flush
+            if pending:
+                st.append_output(self.db, run.id, "".join(pending.text), pending.ids, pending.steps, **progress())
+                pending.clear()
+            last_flush = time.monotonic()
+
+        paused = False
+        steps = iter(gen)
+        try:
+            with _Heartbeat(self.db, run.id):
+                for step in steps:
+                    pending.text.append(step.text)
+                    pending.ids.extend(step.token_ids)
+                    p = progress()
+                    pending.steps.append({
+                        "step": job.step_offset + step.index, "new_tokens": len(step.token_ids),
+                        "step_ms": step.seconds * 1000, "tokens_so_far": step.n_tokens - job.n_earlier,
+                        "accepted": step.accepted, "from_ngram": step.from_ngram, "tree_size": step.tree_size,
+                        "tokens_per_s": p["tokens_per_s"], "repetition": tracker.extend(step.token_ids)})
+                    if time.monotonic() - last_flush >= self.flush_s:
+                        flush()
+                    if deadline is not None and time.monotonic() >= deadline and not gen.stop_reason:
+                        paused = True
+                        break
+                steps.close()  # type: ignore[attr-defined]
+                if gen.stop_reason == "cancelled":
+                    # Text held back for an incomplete character: keep it so the text matches the token ids.
+                    pending.text.append(gen.tail)
+                flush()
+        except st.StorageError as e:
+            if st.get_run(self.db, run.id).status != "running":  # cancelled-and-ended, or flagged interrupted
+                log.warning("run %s ended elsewhere while generating: %s", run.id, e)
+                return Outcome("lost", str(e))
+            log.exception("run %s: could not save its output", run.id)
+            return self._finish(run, "failed", describe_error(e))
+        except Exception as e:
+            log.exception("run %s failed while generating", run.id)
+            _release_memory(e)
+            try:
+                flush()  # keep what was written before the error (it can be resumed)
+            except Exception:
+                log.exception("run %s: could not save its last output", run.id)
+            return self._finish(run, "failed", describe_error(e), **_timings(progress(), job, gen))
+        if paused:
+            return Outcome("paused")
+        timings = _timings(progress(), job, gen)
+        if gen.stop_reason == "cancelled":
+            if cancel.by_stop:
+                return self._finish(run, "interrupted", "Interrupted: the worker was stopped; resume to finish it.",
+                                    **timings)
+            return self._finish(run, "cancelled", **timings)
+        return self._finish(run, "done", **timings)
+
+
+def _timings(progress: dict[str, float], job: _Job, gen: Any) -> dict[str, float]:
+    # Decode time of the whole run, chunks included; finish_run derives tokens/s from it.
+    return {"prefill_s": progress["prefill_s"], "decode_s": job.prior_decode_s + gen.decode_s}
+
+
+def _release_memory(e: BaseException) -> None:
+    if type(e).__name__ == "OutOfMemoryError":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def describe_load_error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0][:500] if str(e).strip() else type(e).__name__
+    if type(e).__name__ in ("ModelLoadError", "HeadsError"):
+        return text
+    if isinstance(e, ImportError):
+        return f"a component is missing ({text})"
+    return describe_error(e) if type(e).__name__ == "OutOfMemoryError" else f"{type(e).__name__}: {text}"
+
+
+def generation_config(settings: dict[str, Any], method: str) -> GenerationConfig:
+    """core's GenerationConfig for normalized settings (app.jobs.validate_settings), validated by core."""
+    from core.decoding import GenerationConfig
+    from core.sampling import SamplingSettings
+
+    sampling = SamplingSettings.from_dict(settings)
+    return GenerationConfig(max_new_tokens=settings["max_new_tokens"], method=method, sampling=sampling,
+                            ignore_eos=settings["ignore_eos"]).validate()
+
+
+class _CancelCheck:
+    """The `cancel=` callable: the worker is stopping, or (polled at most every CANCEL_CHECK_S) the UI asked."""
+
+    def __init__(self, db: st.Database, run_id: int, stop: threading.Event):
+        self.db, self.run_id, self.stop = db, run_id, stop
+        self.by_stop = False
+        self._next = 0.0
+
+    def __call__(self) -> bool:
+        if self.stop.is_set():
+            self.by_stop = True
+            return True
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + CANCEL_CHECK_S
+        try:
+            return st.is_cancel_requested(self.db, self.run_id)
+        except st.StorageError:
+            log.warning("run %s: could not read its cancel flag; going on", self.run_id, exc_info=True)
+            return False
+
+
+class _Heartbeat:
+    """A thread that keeps a run's heartbeat fresh while no flush does (long prefill, slow steps, compiling)."""
+
+    def __init__(self, db: st.Database, run_id: int, every_s: float = HEARTBEAT_S):
+        self.db, self.run_id, self.every_s = db, run_id, every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{run_id}", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every_s):
+            try:
+                st.append_output(self.db, self.run_id)  # empty append = heartbeat
+            except st.StorageError:
+                return  # the run ended; the main loop finds out on its next flush
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+# -- command line -------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m app.worker",
+                                description="TokenSwift Studio generation worker: runs queued runs from the database")
+    p.add_argument("--db", default=None, help="database file or SQLAlchemy URL (default: $TOKENSWIFT_DB or "
+                                              "data/studio.db)")
+    p.add_argument("--model", default=None, help="model spec (default: $TOKENSWIFT_MODEL or smollm2-135m)")
+    p.add_argument("--heads", default="default",
+                   help="drafting heads: 'default' (committed heads of a known model), 'none', or a file")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--compile", action="store_true", help="run the model through compiled fixed-size graphs")
+    p.add_argument("--worker-id", default=None, help="stable id: a restarted worker with the same id flags the "
+                                                     "runs it was killed with as interrupted (default: host:pid)")
+    p.add_argument("--poll-s", type=float, default=0.5, help="seconds between queue polls when idle")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        db = st.open_database(args.db)
+    except Exception as e:
+        print(f"error: cannot open the database: {e}", file=sys.stderr)
+        return 2
+    heads = None if args.heads == "none" else args.heads
+    worker = Worker(db, model=args.model, heads=heads, device=args.device, compile=args.compile,
+                    worker_id=args.worker_id, poll_s=args.poll_s)
+    # SIGTERM/SIGINT: finish the current step, save the run as interrupted (resumable), exit.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.request_stop())
+    log.info("worker %s (pid %s) on %s, model %s", worker.worker_id, os.getpid(), db.url, worker.model)
+    worker.run_forever()
+    db.close()
+    if worker.load_error:
+        print(f"error: {worker.load_error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Compiled forward passes: the decoder as a few fixed-size graphs (torch.compile, inductor, weights frozen).
+
+On this model's shapes inductor's own micro-GEMMs run a one-token step about twice as fast as eager PyTorch, and
+several tokens cost little more than one (README, Performance). Graphs specialise on shapes, so a forward of n tokens
+is padded up to the next size in `SIZES`; padding rows attend only to themselves and are never kept in the cache.
+Attention stays outside the graph, as a custom op that reads and writes the KV cache: its length changes every step
+and would otherwise force a recompilation each time. Compiled code and autotuning results are cached on disk under
+TOKENSWIFT_CACHE, so later starts skip most of the work. Prefill chunks and any size beyond the largest graph run
+eagerly; both paths compute the same function.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from core.kv_cache import KVCache, PartialKVCache
+from core.model import Transformer, attention, rotate
+
+SIZES = (1, 4, 8, 12, 16, 24, 32)
+
+# The cache and mask of the forward in progress. The graph cannot take them as inputs (a Python object, and a tensor
+# whose shape changes every step), so the attention op reads them here. One forward runs at a time per process.
+_ACTIVE: dict[str, object] = {}
+
+
+@torch.library.custom_op("tokenswift::cached_attention", mutates_args=())
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+    cache = _ACTIVE["cache"]
+    keys, values = cache.write(layer, q, k, v)  # type: ignore[attr-defined]
+    out = attention(q, keys, values, _ACTIVE["mask"])  # type: ignore[arg-type]
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+@cached_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+    return q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
+
+
+def dense_forward(model: Transformer, tokens: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The decoder with attention delegated to the custom op; returns (logits of all rows, hidden states)."""
+    cfg = model.cfg
+    n = tokens.shape[0]
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    x = model.embed(tokens)
+    for i, block in enumerate(model.layers):
+        q, k, v = block.wqkv(block.attn_norm(x)).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = rotate(q.view(n, cfg.n_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+        k = rotate(k.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+        v = v.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
+        x = x + block.wo(cached_attention(q, k, v, i))
+        gate, up = block.w_gate_up(block.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + block.w_down(F.silu(gate) * up)
+    return model.logits(x), x
+
+
+def configure_inductor() -> None:
+    from core.loading import cache_root
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True  # weights become constants: prepacked for inductor's own GEMMs
+    inductor_config.fx_graph_cache = True
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(SIZES))
+
+
+class CompiledRunner:
+    def __init__(self, model: Transformer, sizes: tuple[int, ...] = SIZES, mode: str = "max-autotune"):
+        configure_inductor()
+        self.model = model
+        self.sizes = sizes
+        self._fn = torch.compile(lambda t, c, s: dense_forward(model, t, c, s), mode=mode, fullgraph=True,
+                                 dynamic=False)
+        self.ready: set[int] = set()  # sizes whose graphs are compiled
+
+    def bucket(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def warm_up(self, sizes: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None) -> float:
+        """Compile the graphs for `sizes` now (minutes the first time, seconds from the disk cache)."""
+        t0 = time.perf_counter()
+        for size in sizes or self.sizes:
+            if progress:
+                progress(f"compiling the {size}-token graph")
+            cache = self.model.new_cache(size + 1)
+            self.ready.add(size)
+            with torch.inference_mode():
+                self.forward(torch.zeros(size, dtype=torch.long, device=self.model.device),
+                             torch.arange(size, device=self.model.device), cache)
+        return time.perf_counter() - t0
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
+                block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:
+        n = tokens.shape[0]
+        size = self.bucket(n)
+        if size is None or size not in self.ready:
+            # Not warmed up (e.g. a prefill chunk): never stall a generation on a compilation.
+            return self.model(tokens, positions, cache, block_mask, logits_rows)
+        pad = size - n
+        if pad:
+            # Padding rows: token 0 at the last real position, seeing only themselves.
+            tokens = F.pad(tokens, (0, pad))
+            positions = torch.cat([positions, positions[-1:].expand(pad)])
+            full = torch.eye(size, dtype=torch.bool, device=tokens.device)
+            full[:n, :n] = block_mask if block_mask is not None else torch.ones(n, n, dtype=torch.bool,
+                                                                                device=tokens.device).tril_()
+            block_mask = full
+        cache.begin(size)
+        mask = cache.attention_mask(size, block_mask, positions, self.model.cfg.sliding_window)
+        cos, sin = self.model.rope(positions)
+        _ACTIVE["cache"], _ACTIVE["mask"] = cache, mask
+        try:
+            logits, hidden = self._fn(tokens, cos, sin)
+        finally:
+            _ACTIVE.clear()
+        cache.n_new = n  # padding rows were written past the real ones; commit() must not keep them
+        logits, hidden = logits[:n], hidden[:n]
+        return (logits if logits_rows is None else logits[logits_rows]), hidden

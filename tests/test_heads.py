@@ -1,0 +1,80 @@
+"""Drafting heads: the chained residual maths, save/load round trip, refusal of another model's heads."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from core.heads import DraftHeads, HeadsError, load_heads, save_heads
+from core.model import ModelConfig, Transformer, build_model
+
+
+def tiny(seed: int, hidden: int = 64) -> Transformer:
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    return build_model(ModelConfig.from_hf(hf.config), hf.state_dict())
+
+
+def test_initial_heads_predict_what_the_model_predicts() -> None:
+    model = tiny(0)
+    heads = DraftHeads.initial(model)
+    h = torch.randn(5, 64)
+    logits = heads.logits(h, model)
+    assert logits.shape == (3, 5, 128)
+    for k in range(3):
+        assert torch.allclose(logits[k], model.logits(h), atol=1e-5)
+
+
+def test_chained_residual_maths() -> None:
+    model = tiny(0)
+    heads = DraftHeads.initial(model)
+    torch.nn.init.normal_(heads.proj[0].weight, std=0.1)
+    torch.nn.init.normal_(heads.proj[1].weight, std=0.1)
+    h0 = torch.randn(2, 64)
+    h1 = h0 + heads.proj[0](heads.norm_in[0](h0))
+    h2 = h1 + heads.proj[1](heads.norm_in[1](h1))
+    states = heads.states(h0)
+    assert torch.allclose(states[0], heads.norm_out[0](h1))
+    assert torch.allclose(states[1], heads.norm_out[1](h2))
+
+
+def test_vocabulary_subset_maps_back_to_token_ids() -> None:
+    model = tiny(0)
+    vocab = torch.tensor([3, 17, 40, 99])
+    heads = DraftHeads.initial(model, vocab=vocab)
+    ids, probs = heads.topk(torch.randn(64), model, 2)
+    assert ids.shape == (3, 2) and set(ids.flatten().tolist()) <= set(vocab.tolist())
+    assert torch.all(probs[:, 0] >= probs[:, 1])
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    model = tiny(0)
+    heads = DraftHeads.initial(model, vocab=torch.tensor([1, 2, 3]))
+    torch.nn.init.normal_(heads.proj[2].weight)
+    path = tmp_path / "h.safetensors"
+    save_heads(heads, path, model, "tiny-a")
+    loaded = load_heads(path, model, "tiny-a")
+    h = torch.randn(3, 64)
+    assert torch.equal(loaded.logits(h, model), heads.logits(h, model))
+    assert loaded.meta["base_model"] == "tiny-a"
+
+
+def test_heads_of_another_model_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "h.safetensors"
+    save_heads(DraftHeads.initial(tiny(0)), path, tiny(0), "tiny-a")
+    with pytest.raises(HeadsError, match="trained for 'tiny-a'"):
+        load_heads(path, tiny(1), "tiny-b")  # same shapes, other weights
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    model = tiny(0)
+    with pytest.raises(HeadsError, match="does not exist"):
+        load_heads(tmp_path / "nope.safetensors", model)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(HeadsError, match="unreadable"):
+        load_heads(bad, model)

@@ -1,0 +1,90 @@
+"""Losslessness: TokenSwift writes exactly the tokens vanilla decoding writes, with the same seed and settings —
+greedy, the studio settings and the paper's sampling, in both draft modes; on the real model with its trained heads,
+and on tiny random Llama and Qwen2 models with random heads (low acceptance) and a small partial KV budget that is
+re-selected many times."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.decoding import GenerationConfig
+from core.engine import Engine
+from core.heads import DraftHeads
+from core.loading import load_model
+from core.sampling import PRESETS
+from core.text import encode_prompt
+from core.tokenswift import TokenSwiftOptions
+from lossless import assert_lossless, check_against
+from conftest import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "assets/bench_prompts.jsonl").read_text().splitlines()][:3]
+SETTINGS = ["greedy", "studio", "paper"]
+MODES = ["fused", "separate"]
+
+
+@pytest.fixture(scope="module")
+def smol_heads(smol_engine):
+    """The committed heads of the default model (TokenSwift runs n-gram-only without them, still lossless)."""
+    path = smol_engine.loaded.default_heads_path()
+    if path is None or not path.is_file():
+        return None
+    from core.heads import load_heads
+
+    return load_heads(path, smol_engine.model, smol_engine.loaded.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", SETTINGS)
+def test_real_model_is_lossless(smol_engine, smol_heads, preset: str) -> None:
+    accepted = 0
+    for p, prompt in enumerate(PROMPTS):
+        ids = encode_prompt(smol_engine.tokenizer, prompt)
+        config = GenerationConfig(max_new_tokens=512, sampling=PRESETS[preset].with_(seed=11 + p), ignore_eos=True)
+        ar = smol_engine.generate(ids, config).run()  # vanilla decoding does not depend on the draft mode
+        for mode in MODES:
+            engine = Engine(smol_engine.loaded, smol_heads, TokenSwiftOptions(draft_mode=mode))
+            ts = check_against(engine, ids, config, ar)
+            assert ts.n_tokens == 512
+            accepted += sum(s.accepted for s in ts.steps)
+    assert accepted > 0, "no draft was ever accepted: the tree was not exercised"
+
+
+def peaky_tiny_engine(tmp_path: Path, arch: str, mode: str, kv_budget: int) -> Engine:
+    # A small vocabulary and a larger init scale make the random model's distributions peaked and its text loop,
+    # so drafts (n-gram chains especially) are sometimes right.
+    folder = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=3, initializer_range=0.3, vocab_size=512)
+    loaded = load_model(str(folder), device="cpu")
+    heads = DraftHeads.initial(loaded.model)
+    torch.manual_seed(4)
+    for proj in heads.proj:
+        torch.nn.init.normal_(proj.weight, std=0.02)
+    return Engine(loaded, heads, TokenSwiftOptions(draft_mode=mode, kv_budget=kv_budget, tree_budget=10))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_models_with_random_heads_are_lossless(tmp_path: Path, arch: str, mode: str) -> None:
+    engine = peaky_tiny_engine(tmp_path, arch, mode, kv_budget=40)
+    ids = torch.randint(512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    total_accepted = 0
+    for preset in SETTINGS:
+        config = GenerationConfig(max_new_tokens=300, sampling=PRESETS[preset].with_(seed=5), ignore_eos=True)
+        ar, ts = assert_lossless(engine, ids, config)
+        total_accepted += sum(s.accepted for s in ts.steps)
+    assert total_accepted > 0, "the tree was never exercised"
+
+
+def test_partial_cache_refreshes_many_times_and_stays_lossless(tmp_path: Path) -> None:
+    engine = peaky_tiny_engine(tmp_path, "llama", "separate", kv_budget=24)
+    ids = torch.randint(512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    config = GenerationConfig(max_new_tokens=400, method="tokenswift", sampling=PRESETS["studio"].with_(seed=9),
+                              ignore_eos=True)
+    gen = engine.generate(ids, config)
+    gen.run()
+    # re-selected every budget - 16 = 8 new tokens once the sequence outgrows the budget
+    assert gen.stats["partial_selections"] >= 20
+    assert_lossless(engine, ids, config)

@@ -1,0 +1,103 @@
+"""Logits processing matches Hugging Face's processors; draws are position-keyed and follow the processed
+distribution (chi-square)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from core.sampling import PRESETS, Sampler, SamplingSettings, apply_penalty, filter_logits, gumbel_noise
+
+# chi-square critical values at p = 0.001 for the degrees of freedom used below
+CHI2_CRIT = {7: 24.32, 5: 20.52}
+
+
+def test_penalty_matches_hf_repetition_penalty() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 3
+    window = torch.randint(50, (3, 20))  # repeated ids inside a window: penalised once
+    ours = apply_penalty(logits.clone(), window, 1.3)
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(window, logits.clone())
+    assert torch.equal(ours, ref)
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[window[0]] = False
+    assert torch.equal(ours[0, untouched], logits[0, untouched])
+
+
+@pytest.mark.parametrize("s", [
+    SamplingSettings(temperature=0.7, top_p=0.9),
+    SamplingSettings(temperature=1.0, top_p=1.0, min_p=0.1),
+    SamplingSettings(temperature=1.3, top_k=5, top_p=0.8, min_p=0.05),
+])
+def test_filters_match_hf_warpers(s: SamplingSettings) -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, 100) * 2
+    ref = logits.clone()
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    for warper, on in [(TemperatureLogitsWarper(s.temperature), True), (TopKLogitsWarper(max(s.top_k, 1)), s.top_k > 0),
+                       (TopPLogitsWarper(s.top_p), s.top_p < 1), (MinPLogitsWarper(s.min_p or 0.5), s.min_p > 0)]:
+        if on:
+            ref = warper(ids, ref)
+    assert torch.equal(filter_logits(logits.clone(), s), ref)
+
+
+def test_noise_is_a_function_of_seed_and_position() -> None:
+    assert torch.equal(gumbel_noise(5, 100, 64), gumbel_noise(5, 100, 64))
+    assert not torch.equal(gumbel_noise(5, 100, 64), gumbel_noise(5, 101, 64))
+    assert not torch.equal(gumbel_noise(5, 100, 64), gumbel_noise(6, 100, 64))
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "drew a token the processed distribution excludes"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("settings,df", [
+    (SamplingSettings(temperature=0.8, top_p=1.0, penalty=1.0), 7),
+    (SamplingSettings(temperature=1.0, top_p=0.95, penalty=1.5, penalty_window=2), 5),
+], ids=["temperature", "top-p+penalty"])
+def test_draws_follow_the_processed_distribution(settings: SamplingSettings, df: int) -> None:
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    window = torch.tensor([[0, 1]])
+    sampler = Sampler(settings.with_(seed=123), vocab=8)
+    scores = sampler.scores(logits, window)
+    probs = scores.softmax(-1)[0]
+    n = 20_000
+    counts = torch.zeros(8)
+    for position in range(n):
+        counts[int(sampler.choose(scores, [position]))] += 1
+    assert int((probs > 0).sum()) == df + 1
+    assert chi_square(counts, probs) < CHI2_CRIT[df]
+
+
+def test_greedy_is_argmax_of_penalised_logits() -> None:
+    logits = torch.tensor([[3.0, 2.9, 1.0]])
+    s = SamplingSettings(temperature=0, penalty=1.1, penalty_window=4)
+    sampler = Sampler(s, vocab=3)
+    assert int(sampler.choose(sampler.scores(logits, torch.tensor([[2]])), [0])) == 0
+    # token 0 was just written: 3.0 / 1.1 < 2.9
+    assert int(sampler.choose(sampler.scores(logits, torch.tensor([[0]])), [0])) == 1
+
+
+def test_banned_tokens_are_never_drawn() -> None:
+    sampler = Sampler(SamplingSettings(temperature=1.0, top_p=1.0), vocab=4, banned=(0,))
+    scores = sampler.scores(torch.tensor([[9.0, 0.0, 0.0, 0.0]]), torch.tensor([[1]]))
+    assert all(int(sampler.choose(scores, [p])) != 0 for p in range(200))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top-p"), ({"top_k": -2}, "top-k"),
+    ({"min_p": 1.0}, "min-p"), ({"penalty": 0.5}, "penalty"), ({"penalty_window": 0}, "window"),
+    ({"seed": -1}, "seed"),
+])
+def test_out_of_range_settings_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PRESETS["studio"].with_(**change).validate()

@@ -1,0 +1,52 @@
+"""The candidate trie: shared prefixes, budget, mask, positions."""
+from __future__ import annotations
+
+import torch
+
+from core.tree import HEADS, NGRAM, TreeBuilder
+
+
+def test_identical_prefixes_share_nodes_and_sources_merge() -> None:
+    b = TreeBuilder(root=5)
+    b.add([1, 2, 3], [0.9, 0.5, 0.2], HEADS)
+    b.add([1, 2, 4], [0.8, 0.6, 0.3], NGRAM)
+    tree = b.build(budget=100)
+    assert tree.tokens == [5, 1, 2, 3, 4]
+    assert tree.parents == [-1, 0, 1, 2, 2]
+    assert tree.depths == [0, 1, 2, 3, 3]
+    assert tree.sources[1] == HEADS | NGRAM and tree.sources[3] == HEADS and tree.sources[4] == NGRAM
+    assert tree.children[2] == {3: 3, 4: 4}
+
+
+def test_mask_and_positions() -> None:
+    b = TreeBuilder(root=0)
+    b.add([1, 2], [0.9, 0.8], HEADS)
+    b.add([3], [0.7], HEADS)
+    tree = b.build(10)
+    # order: root, 1, 3 (depth 1), 2 (depth 2)
+    assert tree.tokens == [0, 1, 3, 2]
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.mask(), expected)
+    assert tree.positions(100).tolist() == [100, 101, 101, 102]
+    assert tree.path_tokens(3) == [1, 2]
+
+
+def test_budget_keeps_the_best_prefix_closed_nodes() -> None:
+    b = TreeBuilder(root=0)
+    b.add_product([[(1, 0.6), (2, 0.3)], [(3, 0.5), (4, 0.4)], [(5, 0.9)]])
+    assert len(b.tokens) == 1 + 2 + 4 + 4
+    tree = b.build(budget=5)
+    # chances: 1:.6, 1-3:.3, 1-3-5:.27, 1-4:.24, 2:.3, ... -> best four non-root nodes
+    assert len(tree) == 5
+    kept = {tuple(tree.path_tokens(i)) for i in range(1, len(tree))}
+    assert kept == {(1,), (2,), (1, 3), (1, 3, 5)}
+    for i in range(1, len(tree)):  # every kept node's parent is kept and comes first
+        assert 0 <= tree.parents[i] < i
+
+
+def test_child_estimate_never_exceeds_parent() -> None:
+    b = TreeBuilder(root=0)
+    b.add([1, 2], [0.1, 0.9], NGRAM)  # a chain whose tail claims more than its head
+    b.add([7], [0.5], HEADS)
+    tree = b.build(budget=2)
+    assert tree.tokens == [0, 7]
