@@ -12,6 +12,7 @@ prompt_lookup_num_tokens=10), `ar` (our vanilla decoding), `tokenswift` (the eng
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -95,14 +96,10 @@ class RssSampler:
 
 def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampling: Any) -> Run:
     from core.decoding import GenerationConfig
-    from core.tokenswift import TokenSwiftOptions
 
     if method.startswith("tokenswift-"):
-        from core.engine import Engine
-
-        mode = method.split("-", 1)[1]
-        engine = Engine(engine.loaded, engine.heads, replace(engine.options, draft_mode=mode))
-        engine.runner = getattr(engine, "runner", None) or None
+        engine = copy.copy(engine)  # same model, heads and compiled graphs; another draft mode
+        engine.options = replace(engine.options, draft_mode=method.split("-", 1)[1])
     config = GenerationConfig(max_new_tokens=length, method="ar" if method == "ar" else "tokenswift",
                               sampling=sampling, ignore_eos=True)
     times: list[float] = []
@@ -124,18 +121,17 @@ def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: A
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
+        """Arrival time of every new token (the streamer gets the prompt first, then each sampled token)."""
+
         def __init__(self) -> None:
             self.times: list[float] = []
-            self.first = True
-            self.t0 = 0.0
+            self.prompt_seen = False
 
         def put(self, value: torch.Tensor) -> None:
-            now = time.perf_counter()
-            if self.first:  # the prompt arrives first; decoding starts after the prefill's token
-                self.first = False
-                self.t0 = now
+            if not self.prompt_seen:
+                self.prompt_seen = True
                 return
-            self.times.extend([now - self.t0] * value.numel())
+            self.times.extend([time.perf_counter()] * value.numel())
 
         def end(self) -> None:
             pass
@@ -155,13 +151,12 @@ def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: A
     with RssSampler() as rss, torch.inference_mode():
         t0 = time.perf_counter()
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=clock, **kwargs)
-    total = time.perf_counter() - t0
     new = out[0, len(prompt_ids):].tolist()
-    # the first new token comes with the prefill: count the prefill as the time until it appeared
-    prefill = clock.t0 - t0 if clock.t0 else 0.0
-    times = [0.0] + clock.times if len(clock.times) < len(new) else clock.times
-    del total
-    return Run(method, 0, 0, new, prefill, times[: len(new)], peak_rss_mb=rss.peak / 2**20)
+    # the first token comes out of the prefill; decoding is the time after it
+    first = clock.times[0]
+    times = [t - first for t in clock.times]
+    times[0] = times[1] if len(times) > 1 else 0.0
+    return Run(method, 0, 0, new, first - t0, times, peak_rss_mb=rss.peak / 2**20)
 
 
 def distinct(tokens: list[int]) -> list[float]:
@@ -215,7 +210,7 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[d
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| length | method | decode tok/s | vs ar | vs hf | tokens/step | α | n-gram share | prefill s | "
             "distinct-1..4 | peak RSS MB | ids = ar |")
-    lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "|".join(["---"] * 12) + "|"]
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         f = lambda v: "–" if v is None else v  # noqa: E731
         eq = r.get("ids_equal_ar")

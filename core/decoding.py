@@ -117,6 +117,10 @@ class Generation:
         # place; positions (and so the position-keyed draws) continue where they stopped, so the tokens that follow
         # are the ones an uninterrupted run would have written.
         self.tokens = list(prompt_ids) + list(resume_ids)
+        # the same sequence as a tensor, for penalty windows without a list-to-tensor copy per draw
+        self.token_buf = torch.zeros(len(prompt_ids) + config.max_new_tokens + 1, dtype=torch.long,
+                                     device=engine.device)
+        self.token_buf[:len(self.tokens)] = torch.tensor(self.tokens, dtype=torch.long)
         cfg = engine.model.cfg
         banned = cfg.eos_token_ids if config.ignore_eos else ()
         self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
@@ -139,9 +143,12 @@ class Generation:
 
     def window(self, extra: list[int] = ()) -> Tensor:  # type: ignore[assignment]
         """Penalty window (token ids) for the draw after the sequence followed by `extra`."""
-        W = self.config.sampling.penalty_window
-        seq = self.tokens[-W:] + list(extra) if len(extra) < W else list(extra)
-        return torch.tensor(seq[-W:], dtype=torch.long, device=self.engine.device)[None]
+        W, end = self.config.sampling.penalty_window, len(self.tokens)
+        base = self.token_buf[max(0, end - max(0, W - len(extra))):end]
+        if extra:
+            tail = torch.tensor(list(extra)[-W:], dtype=torch.long, device=base.device)
+            base = torch.cat([base, tail]) if len(extra) < W else tail
+        return base[None]
 
     def draw(self, logits_row: Tensor, extra: list[int] = ()) -> int:  # type: ignore[assignment]
         """Draw the token after the sequence (+ `extra` path tokens) from one row of logits."""
@@ -187,6 +194,7 @@ class Generation:
             self.stop_reason = "length"
         accepted = min(accepted, max(0, len(kept) - 1))
         self.tokens.extend(kept)
+        self.token_buf[len(self.tokens) - len(kept):len(self.tokens)] = torch.tensor(kept, dtype=torch.long)
         text = self.stream.push(kept)
         if self.stop_reason:
             text += self.stream.flush()

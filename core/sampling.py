@@ -94,16 +94,32 @@ def filter_logits(logits: Tensor, s: SamplingSettings) -> Tensor:
         kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
         logits.masked_fill_(logits < kth, float("-inf"))
     if s.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - s.top_p
-        drop[:, -1] = False  # always keep the most likely token
-        logits.masked_fill_(drop.scatter(1, order, drop), float("-inf"))
+        logits.masked_fill_(~nucleus(logits, s.top_p), float("-inf"))
     if s.min_p > 0:
         probs = logits.softmax(dim=-1)
         drop = probs < s.min_p * probs.max(dim=-1, keepdim=True).values
         logits.masked_fill_(drop, float("-inf"))
     return logits
+
+
+def nucleus(logits: Tensor, top_p: float) -> Tensor:
+    """Mask of the top-p set: the fewest most likely tokens whose probabilities sum to at least `top_p`.
+
+    The same set as Hugging Face's top-p (which sorts the whole vocabulary, ~10 ms for 49K ids on a CPU), found from
+    a top-k that grows until it covers `top_p`: usually a few dozen ids do.
+    """
+    probs = logits.softmax(dim=-1)
+    vocab = logits.shape[-1]
+    k = min(64, vocab)
+    while True:
+        top, idx = probs.topk(k, dim=-1)
+        cum = top.cumsum(dim=-1)
+        if k == vocab or bool((cum[:, -1] >= top_p).all()):
+            break
+        k = min(k * 8, vocab)
+    # rank j is kept iff the mass ranked above it is still short of top_p; the most likely token always is
+    kept_here = torch.cat([torch.ones_like(cum[:, :1], dtype=torch.bool), cum[:, :-1] < top_p], dim=-1)
+    return torch.zeros_like(logits, dtype=torch.bool).scatter_(1, idx, kept_here)
 
 
 def _mix(seed: int, position: int) -> int:

@@ -88,6 +88,7 @@ def stage_data(args: argparse.Namespace, data: Path) -> None:
     todo.sort(key=lambda t: len(t[2]))  # similar lengths per batch: little padding
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     s = PRESETS["studio"]
+    warp = StudioWarper(s.temperature, s.top_p)
     special = sorted(set(tokenizer.all_special_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else special[0]
     bar = tqdm(total=len(todo), desc="generating", unit="sample")
@@ -100,13 +101,27 @@ def stage_data(args: argparse.Namespace, data: Path) -> None:
             torch.manual_seed(args.seed * 100_003 + i)
             with torch.inference_mode():
                 gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.gen_tokens,
-                                     do_sample=True, temperature=s.temperature, top_p=s.top_p,
-                                     repetition_penalty=s.penalty, suppress_tokens=special, pad_token_id=pad)
+                                     do_sample=True, top_p=1.0, top_k=0, repetition_penalty=s.penalty,
+                                     suppress_tokens=special, pad_token_id=pad, logits_processor=[warp])
             for (key, pid, prompt_ids, _), row in zip(batch, gen[:, width:].tolist()):
                 f.write(json.dumps({"key": key, "prompt_id": pid, "prompt": prompt_ids, "output": row}) + "\n")
             f.flush()
             bar.update(len(batch))
     bar.close()
+
+
+class StudioWarper:
+    """Temperature then top-p for HF's generate, with our nucleus: its own top-p sorts the whole vocabulary for
+    every row of every step, which dominates a batched CPU generation."""
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from core.sampling import nucleus
+
+        scores = scores / self.temperature
+        return scores.masked_fill(~nucleus(scores, self.top_p), float("-inf"))
 
 
 def read_samples(data: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,141 @@
+"""TokenSwift Studio: start the writing studio (``make run``, or ``python app.py``; also the Hugging Face Space entry).
+
+Reads settings from the command line and the environment, opens (and migrates) the database, starts the in-process
+generation worker in the background and serves the UI at once: the page is usable while the model loads. With
+``--no-worker`` only the UI runs, against one or more ``python -m app.worker`` processes on the same database.
+On a ZeroGPU Space no worker thread runs; generation happens in GPU-bounded chunks inside requests (app/zerogpu.py).
+
+    python app.py [--port 7860] [--db data/studio.db] [--model smollm2-135m] [--heads default|none|FILE]
+                  [--no-worker] [--compile]
+
+Environment: GRADIO_SERVER_PORT, GRADIO_SERVER_NAME, TOKENSWIFT_DB, TOKENSWIFT_MODEL, TOKENSWIFT_HEADS.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("tokenswift.app")
+
+DEFAULT_MODEL = "smollm2-135m"  # core.loading.DEFAULT_MODEL; not imported here because core.loading loads torch
+DEFAULT_PORT = 7860
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    host: str | None
+    port: int
+    db: str | None
+    model: str
+    heads: str | None
+    device: str | None
+    worker: bool
+    compile: bool
+    log_level: str
+
+
+def _heads(value: str | None) -> str | None:
+    value = (value or "default").strip()
+    return None if value.lower() in ("none", "off", "") else value
+
+
+def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = None) -> AppSettings:
+    """Command line first, then environment variables, then defaults."""
+    env = dict(os.environ if env is None else env)
+    p = argparse.ArgumentParser(prog="app.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=None, help="interface to bind (default: $GRADIO_SERVER_NAME or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help=f"port (default: $GRADIO_SERVER_PORT or {DEFAULT_PORT})")
+    p.add_argument("--db", default=None, help="database file or SQLAlchemy URL (default: $TOKENSWIFT_DB or "
+                                              "data/studio.db)")
+    p.add_argument("--model", default=None, help=f"model spec (default: $TOKENSWIFT_MODEL or {DEFAULT_MODEL})")
+    p.add_argument("--heads", default=None, help="drafting heads: default, none or a file (default: "
+                                                 "$TOKENSWIFT_HEADS or 'default')")
+    p.add_argument("--device", default=None, help="cpu or cuda for the in-process worker (default: cuda if available)")
+    p.add_argument("--no-worker", action="store_true", help="serve the UI only; run `python -m app.worker` "
+                                                            "separately on the same database")
+    p.add_argument("--compile", action="store_true", help="compile the model's graphs in the worker (slower start)")
+    p.add_argument("--log-level", default=env.get("TOKENSWIFT_LOG_LEVEL", "INFO"))
+    args = p.parse_args(argv)
+    port = args.port if args.port is not None else int(env.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)
+    return AppSettings(
+        host=args.host or env.get("GRADIO_SERVER_NAME") or None,
+        port=port,
+        db=args.db or env.get("TOKENSWIFT_DB") or None,
+        model=args.model or env.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL,
+        heads=_heads(args.heads if args.heads is not None else env.get("TOKENSWIFT_HEADS")),
+        device=args.device,
+        worker=not args.no_worker,
+        compile=args.compile,
+        log_level=args.log_level.upper(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("alembic", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Imported here so `python app.py --help` is instant.
+    import storage
+    from app import zerogpu
+    from app.ui import StudioContext, build_ui, launch_kwargs
+
+    try:
+        db = storage.open_database(settings.db)
+    except Exception as e:
+        print(f"error: cannot open the database: {e}", file=sys.stderr)
+        return 2
+    log.info("database %s; model %s; heads %s", db.url, settings.model, settings.heads)
+
+    worker: Any = None
+    driver = None
+    if zerogpu.enabled():
+        from app.worker import Worker
+
+        # ZeroGPU: the GPU exists only inside spaces.GPU calls made from requests; the UI drives the queue there.
+        # Load the weights now (in the background) so the first chunk does not spend its GPU time on loading.
+        zworker = Worker(db, model=settings.model, heads=settings.heads, device="cuda")
+        threading.Thread(target=zworker.ensure_engine, name="model-load", daemon=True).start()
+        driver = zerogpu.ChunkDriver(lambda: zworker)
+        log.info("ZeroGPU: generation runs in chunks inside requests")
+    elif settings.worker:
+        from app.worker import Worker
+
+        # A stable id (host + port): after a crash, the restarted worker recognises the runs it was killed with
+        # and marks them interrupted at once, instead of waiting for their heartbeat to go stale.
+        worker = Worker(db, model=settings.model, heads=settings.heads, device=settings.device,
+                        compile=settings.compile, worker_id=f"{socket.gethostname()}:app:{settings.port}").start()
+    else:
+        log.info("no in-process worker: start `python -m app.worker` on the same database")
+
+    demo = build_ui(StudioContext(db=db, model=settings.model, heads=settings.heads, driver=driver))
+    # SIGTERM (a supervisor, a Space restart) ends the server like Ctrl-C, so the run in progress is saved and
+    # marked interrupted (resumable) below instead of the process dying mid-write.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        demo.launch(server_name=settings.host, server_port=settings.port, ssr_mode=False, show_error=False,
+                    footer_links=["api", "gradio"], run_history=False, **launch_kwargs())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if worker is not None:
+            # A run in progress is saved and marked interrupted: it can be resumed after the restart.
+            worker.stop(timeout=30)
+        db.close()
+    return 0
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,771 @@
+"""The Gradio UI of TokenSwift Studio: layout (Write, Compare, History & export), per-session state, event wiring.
+
+The UI never generates. Buttons queue runs through ``app.jobs``; a ``gr.Timer`` (about 1 s) reads progress back
+from the database (``app.live``), so a refresh, a second tab or a server restart shows the same text, and many
+sessions share one queue. Per-session state lives in ``gr.State`` (ids of what is open, and what the page last
+showed); nothing here is module-level mutable state. Every handler turns failures into a readable ``gr.Error``
+(escaped: Gradio renders those as HTML), never a traceback. Handlers have ``api_name``s for gradio_client.
+
+Inputs that belong to a project or chapter travel with hidden "owner" ids captured when the page showed them, so a
+premise typed for one project can never be saved into another after a quick switch (events may run concurrently).
+"""
+from __future__ import annotations
+
+import functools
+import html
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+import storage
+from app import export as exporter
+from app import jobs, live, settings_panel, views
+from app.charts import all_figures, buckets_from_rows
+from app.live import LiveCache, View
+from app.zerogpu import ChunkDriver
+
+log = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CSS_PATH = ASSETS / "studio.css"
+POLL_S = 1.0
+BROWSER_KEY = "tokenswift-studio-view"
+KIND_CHOICES = [("Novel", "novel"), ("Report", "report"), ("Other", "other")]
+EXPORT_CHOICES = [("Markdown", "markdown"), ("Plain text", "text"), ("EPUB", "epub")]
+RUN_MODES = ("generate", "continue", "regenerate", "resume")
+
+
+@dataclass(frozen=True)
+class StudioContext:
+    """What every handler needs, fixed at start-up (shared by all sessions, never mutated)."""
+
+    db: storage.Database
+    model: str
+    heads: str | None = None
+    driver: ChunkDriver | None = None  # ZeroGPU only
+    poll_s: float = POLL_S
+
+
+def theme() -> gr.themes.Base:
+    """A calm theme with fonts Gradio serves itself (no font CDN: the page works offline)."""
+    return gr.themes.Soft(
+        primary_hue="indigo", secondary_hue="slate", neutral_hue="slate", radius_size="md",
+        font=[gr.themes.LocalFont("IBM Plex Sans"), "ui-sans-serif", "system-ui", "sans-serif"],
+        font_mono=[gr.themes.LocalFont("IBM Plex Mono"), "ui-monospace", "Consolas", "monospace"],
+    ).set(block_label_text_size="*text_sm", block_title_text_size="*text_sm")
+
+
+def launch_kwargs() -> dict[str, Any]:
+    """Arguments for ``Blocks.launch`` that style the app (Gradio 6 takes theme/CSS at launch)."""
+    return {"theme": theme(), "css_paths": [CSS_PATH]}
+
+
+# -- error handling ---------------------------------------------------------------------------------------------------
+
+def _message(e: BaseException) -> str:
+    return html.escape(str(e).strip() or type(e).__name__)
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn expected failures (bad input, missing rows) into a readable gr.Error; log unexpected ones."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except (storage.StorageError, ValueError) as e:
+            raise gr.Error(_message(e), print_exception=False) from None
+        except Exception as e:
+            log.exception("error in %s", fn.__name__)
+            raise gr.Error(f"Something went wrong ({_message(e)}). Details are in the server log.",
+                           print_exception=False) from None
+    return wrapper
+
+
+def _skip(value: Any) -> Any:
+    return gr.skip() if value is None else value
+
+
+def _unknown_session(view: View) -> bool:
+    """A session that never loaded the page and has nothing open (e.g. the server restarted under the page)."""
+    return not view.loaded and view.project_id is None and view.compare_id is None
+
+
+def _owner(value: Any) -> int | None:
+    """A hidden owner-id field's value (None/0 = not set, e.g. an API caller that does not send it)."""
+    try:
+        return int(value) or None
+    except (TypeError, ValueError):
+        return None
+
+
+class Handlers:
+    """Event handlers. Plain methods of plain values, so tests can call them without a browser."""
+
+    def __init__(self, ctx: StudioContext) -> None:
+        self.ctx = ctx
+        self.db = ctx.db
+        self.write_panel: settings_panel.SettingsPanel | None = None
+        self.compare_panel: settings_panel.SettingsPanel | None = None
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    def _project(self, view: View) -> Any:
+        if view.project_id is None:
+            raise gr.Error("Open or create a project first.", print_exception=False)
+        return storage.get_project(self.db, view.project_id)
+
+    def _chapter(self, view: View) -> Any:
+        if view.chapter_id is None:
+            raise gr.Error("Pick a chapter first (or add one).", print_exception=False)
+        chapter = storage.get_chapter(self.db, view.chapter_id)
+        if chapter.project_id != view.project_id:  # never act on another project's chapter
+            raise gr.Error("That chapter belongs to another project; pick a chapter again.", print_exception=False)
+        return chapter
+
+    def _check_owner(self, view: View, project_owner: Any = None, chapter_owner: Any = None) -> None:
+        p, c = _owner(project_owner), _owner(chapter_owner)
+        if (p is not None and p != view.project_id) or (c is not None and c != view.chapter_id):
+            raise gr.Error("The page switched project or chapter while you were typing; nothing was saved. "
+                           "Please try again.", print_exception=False)
+
+    def _project_choices(self) -> list[tuple[str, int]]:
+        return [(views.project_label(p), p.id) for p in storage.list_projects(self.db)]
+
+    def _remembered(self, view: View) -> dict[str, Any]:
+        return {"project_id": view.project_id, "chapter_id": view.chapter_id, "compare_id": view.compare_id}
+
+    def project_outputs(self, view: View) -> list[Any]:
+        """Values for PROJECT outputs: picker, title, kind, premise (+ owner), settings, then chapter outputs."""
+        project = storage.get_project(self.db, view.project_id) if view.project_id is not None else None
+        panel = self.write_panel
+        settings = panel.updates(project.settings if project else None) if panel else []
+        head = [
+            gr.update(choices=self._project_choices(), value=project.id if project else None),
+            gr.update(value=project.title if project else ""),
+            gr.update(value=project.kind if project else "novel"),
+            gr.update(value=project.premise if project else "", interactive=project is not None),
+            project.id if project else 0,
+        ]
+        return head + settings + self.chapter_outputs(view)
+
+    def chapter_outputs(self, view: View) -> list[Any]:
+        """Values for CHAPTER outputs: title, instructions, owner id, the browser-remembered view."""
+        chapter = None
+        if view.chapter_id is not None:
+            try:
+                chapter = storage.get_chapter(self.db, view.chapter_id)
+            except storage.NotFoundError:
+                view.chapter_id = None
+        return [
+            gr.update(value=chapter.title if chapter else "", interactive=chapter is not None),
+            gr.update(value=chapter.instructions if chapter else "", interactive=chapter is not None),
+            chapter.id if chapter else 0,
+            self._remembered(view),
+        ]
+
+    def _first_chapter(self, project_id: int) -> int | None:
+        chapters = storage.list_chapters(self.db, project_id)
+        return chapters[0].id if chapters else None
+
+    # -- page load --------------------------------------------------------------------------------------------
+
+    @guarded
+    def load(self, view: View, remembered: dict | None) -> list[Any]:
+        """Restore what this browser had open (ids remembered in localStorage), if it still exists."""
+        self._restore(view, remembered)
+        has_projects = bool(storage.list_projects(self.db))
+        return self.project_outputs(view) + [gr.update(open=not has_projects), self.comparison_picker(view)[0]]
+
+    def _restore(self, view: View, remembered: dict | None, *, only_if_unknown: bool = False) -> None:
+        """Open what ``remembered`` names, where it still exists (else nothing / the newest comparison)."""
+        remembered = remembered if isinstance(remembered, dict) else {}
+        pid, cid, cmp = remembered.get("project_id"), remembered.get("chapter_id"), remembered.get("compare_id")
+        project_id = chapter_id = compare_id = None
+        if isinstance(pid, int):
+            try:
+                project_id = storage.get_project(self.db, pid).id
+            except storage.NotFoundError:
+                pass
+        if project_id is not None:
+            chapter_ids = [c.id for c in storage.list_chapters(self.db, project_id)]
+            chapter_id = cid if cid in chapter_ids else (chapter_ids[0] if chapter_ids else None)
+        if isinstance(cmp, int):
+            try:
+                compare_id = storage.get_comparison(self.db, cmp).id
+            except storage.NotFoundError:
+                pass
+        if compare_id is None:
+            latest = storage.list_comparisons(self.db, limit=1)
+            compare_id = latest[0].id if latest else None
+        if only_if_unknown and not _unknown_session(view):
+            return  # the page-load handler got there first (it runs concurrently with the timer)
+        # All at once: a concurrent poll never sees a half-restored view.
+        view.project_id, view.chapter_id, view.compare_id, view.loaded = project_id, chapter_id, compare_id, True
+
+    # -- projects -------------------------------------------------------------------------------------------
+
+    @guarded
+    def create_project(self, view: View, title: str, kind: str, premise: str) -> list[Any]:
+        """Create a project with a first chapter and open it."""
+        project = storage.create_project(self.db, title or "", kind or "novel", premise or "")
+        chapter = storage.add_chapter(self.db, project.id)
+        view.project_id, view.chapter_id = project.id, chapter.id
+        gr.Info(f"Created “{html.escape(project.title)}”.")
+        return self.project_outputs(view) + [gr.update(value=""), gr.update(value=""), gr.update(open=False)]
+
+    @guarded
+    def open_project(self, view: View, project_id: int | None) -> list[Any]:
+        if project_id in (None, ""):
+            view.project_id = view.chapter_id = None
+            return self.project_outputs(view)
+        project = storage.get_project(self.db, int(project_id))
+        view.project_id = project.id
+        view.chapter_id = self._first_chapter(project.id)
+        return self.project_outputs(view)
+
+    @guarded
+    def save_project(self, view: View, owner: Any, title: str, kind: str) -> list[Any]:
+        """Rename the open project and/or change its kind."""
+        self._check_owner(view, owner)
+        project = self._project(view)
+        if title != project.title:
+            storage.rename_project(self.db, project.id, title)
+        if kind and kind != project.kind:
+            storage.update_project(self.db, project.id, kind=kind)
+        gr.Info("Project saved.")
+        return self.project_outputs(view)
+
+    @guarded
+    def ask_delete_project(self, view: View) -> tuple[Any, Any]:
+        project = self._project(view)
+        return (gr.update(visible=True),
+                f'<div class="confirm">Delete <b>{views.esc(project.title)}</b> and all its chapters? '
+                "Its run history is kept. This cannot be undone.</div>")
+
+    @guarded
+    def delete_project(self, view: View) -> list[Any]:
+        project = self._project(view)
+        storage.delete_project(self.db, project.id)
+        view.project_id = view.chapter_id = None
+        gr.Info(f"Deleted “{html.escape(project.title)}”.")
+        return self.project_outputs(view) + [gr.update(visible=False)]
+
+    # -- chapters -------------------------------------------------------------------------------------------
+
+    @guarded
+    def open_chapter(self, view: View, chapter_id: int | None) -> list[Any]:
+        if chapter_id in (None, ""):
+            return self.chapter_outputs(view)
+        chapter = storage.get_chapter(self.db, int(chapter_id))
+        if chapter.project_id != view.project_id:
+            raise gr.Error("That chapter belongs to another project.", print_exception=False)
+        view.chapter_id = chapter.id
+        return self.chapter_outputs(view)
+
+    @guarded
+    def add_chapter(self, view: View) -> list[Any]:
+        project = self._project(view)
+        chapter = storage.add_chapter(self.db, project.id)
+        view.chapter_id = chapter.id
+        return self.chapter_outputs(view)
+
+    @guarded
+    def move_chapter(self, view: View, delta: int) -> None:
+        chapter = self._chapter(view)
+        storage.move_chapter(self.db, chapter.id, max(0, chapter.position + int(delta)))
+
+    @guarded
+    def ask_delete_chapter(self, view: View) -> tuple[Any, Any]:
+        chapter = self._chapter(view)
+        return (gr.update(visible=True),
+                f'<div class="confirm">Delete <b>{views.esc(chapter.title)}</b> '
+                f"({chapter.word_count:,} words)? This cannot be undone.</div>")
+
+    @guarded
+    def delete_chapter(self, view: View) -> list[Any]:
+        chapter = self._chapter(view)
+        storage.delete_chapter(self.db, chapter.id)
+        view.chapter_id = self._first_chapter(chapter.project_id)
+        return self.chapter_outputs(view) + [gr.update(visible=False)]
+
+    def _save_meta(self, view: View, premise: str | None, title: str | None, instructions: str | None) -> None:
+        """Store premise / chapter title / instructions where they differ from the database."""
+        if view.project_id is not None and premise is not None:
+            project = storage.get_project(self.db, view.project_id)
+            if premise != project.premise:
+                storage.update_project(self.db, project.id, premise=premise)
+        if view.chapter_id is not None and (title is not None or instructions is not None):
+            chapter = self._chapter(view)
+            new_title = title if title is not None and title.strip() and title.strip() != chapter.title else None
+            new_instr = instructions if instructions is not None and instructions != chapter.instructions else None
+            if new_title is not None or new_instr is not None:
+                storage.update_chapter(self.db, chapter.id, title=new_title, instructions=new_instr)
+
+    @guarded
+    def autosave(self, view: View, project_owner: Any, chapter_owner: Any, premise: str, title: str,
+                 instructions: str) -> None:
+        """Save the premise and chapter fields when they lose focus (silently: nothing to tell)."""
+        if _owner(project_owner) != view.project_id or _owner(chapter_owner) != view.chapter_id:
+            return  # the page moved on; these values belong to what was shown before
+        self._save_meta(view, premise, title, instructions)
+
+    @guarded
+    def save_chapter(self, view: View, cache: LiveCache, project_owner: Any, chapter_owner: Any, premise: str,
+                     title: str, instructions: str, text: str) -> None:
+        """Save the chapter's title, instructions and hand-edited text (and the premise)."""
+        self._check_owner(view, project_owner, chapter_owner)
+        chapter = self._chapter(view)
+        self._save_meta(view, premise, title, instructions)
+        # Only a textbox that holds the whole chapter may replace it (while a run writes it shows a tail).
+        if text is not None and text != chapter.text:
+            if cache.chapter_id != chapter.id or not cache.text_full:
+                raise gr.Error("The text cannot be saved while the chapter is being written.", print_exception=False)
+            storage.set_chapter_text(self.db, chapter.id, text)
+        gr.Info("Saved.")
+
+    # -- runs -----------------------------------------------------------------------------------------------
+
+    @guarded
+    def queue_run(self, mode: str, view: View, project_owner: Any, chapter_owner: Any, premise: str, title: str,
+                  instructions: str, **settings_values: Any) -> str:
+        """Queue a generate / continue / regenerate / resume run for the open chapter; returns the status line."""
+        if mode not in RUN_MODES:
+            raise gr.Error(f"Unknown action {html.escape(str(mode))}.", print_exception=False)
+        self._check_owner(view, project_owner, chapter_owner)
+        chapter = self._chapter(view)
+        self._save_meta(view, premise, title, instructions)
+        if mode == "resume":
+            # app.jobs reuses the stopped run's prompt and settings: that is what makes the continuation exact.
+            settings = None
+        else:
+            settings = settings_panel.validated(settings_values)
+            # Remember them as the project's defaults (shown the next time the project is opened).
+            storage.update_project(self.db, chapter.project_id, settings=settings)
+        run = jobs.queue_chapter_run(self.db, chapter.id, mode, settings, model=self.ctx.model, heads=self.ctx.heads)
+        return views.run_status(run, position=storage.queue_position(self.db, run.id))
+
+    @guarded
+    def stop(self, view: View) -> None:
+        """Cancel the open chapter's queued or running run."""
+        chapter = self._chapter(view)
+        run = storage.latest_run_for_chapter(self.db, chapter.id)
+        if run is None or run.status not in views.ACTIVE:
+            gr.Info("Nothing is running in this chapter.")
+            return
+        status = storage.request_cancel(self.db, run.id)
+        gr.Info("Stopped." if status == "cancelled" else "Stopping after the current step…")
+
+    def refresh(self, view: View, cache: LiveCache, remembered: dict | None = None) -> tuple[Any, ...]:
+        """The 1 s poll of the Write tab (and header): only changed parts are sent."""
+        try:
+            if _unknown_session(view) and remembered:
+                # The server restarted under an open page: its session is new here, so pick up what the
+                # browser remembers instead of blanking the page.
+                self._restore(view, remembered, only_if_unknown=True)
+            up = live.poll_write(self.db, view, cache, zerogpu=self.ctx.driver is not None)
+        except Exception:  # a transient database error must not pop a modal every second
+            log.warning("refresh failed", exc_info=True)
+            return tuple(gr.skip() for _ in range(WRITE_POLL_OUTPUTS))
+        chapters = (gr.update(choices=up.chapters[0], value=up.chapters[1], interactive=True)
+                    if up.chapters is not None else gr.skip())
+        text = gr.update(value=up.text[0], interactive=up.text[1]) if up.text is not None else gr.skip()
+        figures = up.figures or (gr.skip(), gr.skip(), gr.skip())
+        if up.controls is not None:
+            c = up.controls
+            controls = [gr.update(interactive=c["can_write"]), gr.update(interactive=c["can_write"]),
+                        gr.update(interactive=c["can_write"]), gr.update(interactive=c["active"]),
+                        gr.update(visible=c["resumable"]), gr.update(interactive=c["can_write"])]
+        else:
+            controls = [gr.skip()] * 6
+        return (_skip(up.worker_html), chapters, _skip(up.status_html), text, _skip(up.counts_html),
+                *figures, *controls)
+
+    def drive(self) -> None:
+        """ZeroGPU: work through the queue in GPU-bounded chunks inside this request (no-op elsewhere)."""
+        if self.ctx.driver is not None:
+            self.ctx.driver.drive()
+
+    # -- compare --------------------------------------------------------------------------------------------
+
+    def comparison_picker(self, view: View) -> list[Any]:
+        comparisons = storage.list_comparisons(self.db, limit=100)
+        return [gr.update(choices=[(views.comparison_label(c), c.id) for c in comparisons], value=view.compare_id),
+                self._remembered(view)]
+
+    @guarded
+    def start_comparison(self, view: View, prompt: str, **settings_values: Any) -> list[Any]:
+        """Queue vanilla then TokenSwift on the same prompt, seed and settings; open the comparison."""
+        if not (prompt or "").strip():
+            raise gr.Error("Write a prompt to compare on.", print_exception=False)
+        settings = settings_panel.validated(settings_values)
+        comparison = jobs.queue_comparison(self.db, prompt, settings, model=self.ctx.model, heads=self.ctx.heads,
+                                           project_id=view.project_id)
+        view.compare_id = comparison.id
+        return self.comparison_picker(view) + [self.comparisons_table()]
+
+    @guarded
+    def open_comparison(self, view: View, compare_id: Any) -> list[Any]:
+        if compare_id in (None, ""):
+            return self.comparison_picker(view)
+        comparison = storage.get_comparison(self.db, int(compare_id))
+        view.compare_id = comparison.id
+        return self.comparison_picker(view)
+
+    def select_comparison(self, view: View, evt: gr.SelectData) -> list[Any]:
+        """A click on a row of the past-comparisons table opens it."""
+        row = evt.row_value or []
+        try:
+            return self.open_comparison(view, int(row[0]))
+        except (TypeError, ValueError, IndexError):
+            return [gr.skip(), gr.skip()]
+
+    def comparisons_table(self) -> Any:
+        comparisons = storage.list_comparisons(self.db, limit=100)
+        run_ids = [i for c in comparisons for i in (c.ar_run_id, c.tokenswift_run_id) if i is not None]
+        runs = {}
+        for run_id in run_ids:
+            try:
+                runs[run_id] = storage.get_run(self.db, run_id)
+            except storage.NotFoundError:
+                pass
+        return gr.update(value=views.comparisons_table(comparisons, runs), headers=views.COMPARE_COLUMNS)
+
+    def refresh_compare(self, view: View, cache: LiveCache, remembered: dict | None = None) -> tuple[Any, ...]:
+        """The 1 s poll of the Compare tab."""
+        try:
+            if _unknown_session(view) and remembered:
+                self._restore(view, remembered, only_if_unknown=True)
+            up = live.poll_compare(self.db, view.compare_id, cache)
+        except Exception:
+            log.warning("compare refresh failed", exc_info=True)
+            return tuple(gr.skip() for _ in range(COMPARE_POLL_OUTPUTS))
+        figures = up.figures or (gr.skip(), gr.skip(), gr.skip())
+        table = self.comparisons_table() if up.listing_changed else gr.skip()
+        return (_skip(up.summary_html), _skip(up.ar_line), _skip(up.ts_line), _skip(up.ar_text),
+                _skip(up.ts_text), *figures, table)
+
+    # -- history & export ---------------------------------------------------------------------------------
+
+    @guarded
+    def history(self, view: View, all_projects: bool, picked: Any = None) -> tuple[Any, Any]:
+        """The runs table (open project, or all) and the run picker (keeps ``picked``, else the newest run)."""
+        project_id = None if all_projects else view.project_id
+        if project_id is None and not all_projects:
+            return gr.update(value=[], headers=views.RUN_COLUMNS), gr.update(choices=[], value=None)
+        runs = storage.list_runs(self.db, project_id=project_id, limit=200)
+        titles: dict[int, str] = {}
+        for pid in {r.project_id for r in runs if r.project_id is not None}:
+            titles.update({c.id: c.title for c in storage.list_chapters(self.db, pid)})
+        rows = views.runs_table(runs, titles, live.speedups_for(self.db, runs))
+        ids = [r.id for r in runs]
+        keep = picked if picked in ids else (ids[0] if ids else None)
+        return (gr.update(value=rows, headers=views.RUN_COLUMNS),
+                gr.update(choices=[(views.run_label(r), r.id) for r in runs], value=keep))
+
+    def select_run(self, evt: gr.SelectData) -> Any:
+        """A click on a row of the runs table picks that run."""
+        try:
+            return int((evt.row_value or [])[0])
+        except (TypeError, ValueError, IndexError):
+            return gr.skip()
+
+    @guarded
+    def run_details(self, run_id: Any) -> tuple[Any, ...]:
+        """Summary, metrics (JSON) and charts of any run."""
+        if run_id in (None, ""):
+            empty = '<div class="muted">Pick a run to see its metrics.</div>'
+            return (empty, {}, *all_figures(None, "No run selected"))
+        run = storage.get_run(self.db, int(run_id))
+        buckets = buckets_from_rows(storage.get_steps(self.db, run.id))
+        chapter_title = None
+        if run.chapter_id is not None:
+            try:
+                chapter_title = storage.get_chapter(self.db, run.chapter_id).title
+            except storage.NotFoundError:
+                pass
+        x = live.speedups_for(self.db, [run]).get(run.id)
+        metrics = {
+            "run_id": run.id, "status": run.status, "mode": run.mode, "method": run.method, "model": run.model,
+            "n_tokens": run.n_tokens, "steps": buckets.n_steps, "tokens_per_s": run.tokens_per_s,
+            "decode_s": run.decode_s, "prefill_s": run.prefill_s,
+            "tokens_per_step": buckets.mean_tokens_per_step or run.mean_accepted,
+            "accepted_drafts": buckets.accepted, "from_ngram": buckets.from_ngram,
+            "last_repetition": buckets.last_repetition, "speedup": x, "error": run.error,
+        }
+        summary = views.run_summary(run, chapter_title=chapter_title, tokens_per_step=buckets.mean_tokens_per_step,
+                                    speedup_x=x)
+        return (summary, metrics, *all_figures(buckets, empty="No steps recorded"))
+
+    @guarded
+    def export(self, view: View, fmt: str) -> Any:
+        """Write the open project as Markdown / plain text / EPUB; the browser downloads the file."""
+        project = self._project(view)
+        path = exporter.export_project(self.db, project.id, fmt or "markdown")
+        return gr.update(value=str(path), visible=True)
+
+
+def _queue_handler(h: Handlers, mode: str) -> Callable[..., str]:
+    """``h.queue_run`` bound to one mode, with a plain signature (Gradio reads it to name the API parameters)."""
+    def queue(view: View, project_owner: Any, chapter_owner: Any, premise: str, title: str, instructions: str,
+              **settings: Any) -> str:
+        return h.queue_run(mode, view, project_owner, chapter_owner, premise, title, instructions, **settings)
+    queue.__name__ = mode
+    return queue
+
+
+WRITE_POLL_OUTPUTS = 14
+COMPARE_POLL_OUTPUTS = 9
+
+
+# -- layout -----------------------------------------------------------------------------------------------------------
+
+HEADER = """<div class="brand">
+  <div class="brand-mark">⚡</div>
+  <div><h1>TokenSwift Studio</h1>
+  <p>Long-form writing on lossless speculative decoding: the same text as plain decoding, sooner.</p></div>
+</div>"""
+
+
+def _hide() -> Any:
+    return gr.update(visible=False)
+
+
+def _plots(prefix: str) -> list[gr.Plot]:
+    return [gr.Plot(show_label=False, elem_id=f"{prefix}-{name}", elem_classes="chart")
+            for name in ("accepted", "throughput", "repetition")]
+
+
+def build_ui(ctx: StudioContext) -> gr.Blocks:
+    """Build the Blocks app (launch it with ``**launch_kwargs()``)."""
+    h = Handlers(ctx)
+    with gr.Blocks(title="TokenSwift Studio", fill_width=True, analytics_enabled=False) as demo:
+        view = gr.State(lambda: View())  # a callable: a fresh value per session
+        cache = gr.State(lambda: LiveCache())
+        remembered = gr.BrowserState({"project_id": None, "chapter_id": None, "compare_id": None},
+                                     storage_key=BROWSER_KEY, secret="tokenswift-studio")
+        timer = gr.Timer(ctx.poll_s)
+        # Owner ids of what the premise / chapter fields currently show (see the module docstring).
+        project_owner = gr.Number(value=0, visible=False, precision=0)
+        chapter_owner = gr.Number(value=0, visible=False, precision=0)
+
+        with gr.Row(elem_classes="studio-header", equal_height=True):
+            gr.HTML(HEADER, elem_classes="brand-wrap", js_on_load=None)
+            worker_html = gr.HTML(elem_id="worker-state", elem_classes="worker-wrap", js_on_load=None)
+
+        # -- sidebar: projects and chapters --
+        with gr.Sidebar(label="Projects", open=True, width=310, elem_id="sidebar"):
+            project_dd = gr.Dropdown(label="Project", choices=[], value=None, elem_id="project-picker",
+                                     info="Everything is saved as you go.")
+            with gr.Accordion("New project", open=False, elem_id="new-project") as new_acc:
+                new_title = gr.Textbox(label="Title", placeholder="The Lighthouse Keeper", max_length=200,
+                                       elem_id="new-title")
+                new_kind = gr.Radio(KIND_CHOICES, value="novel", label="Kind", elem_id="new-kind")
+                new_premise = gr.Textbox(label="Premise", lines=4, elem_id="new-premise",
+                                         placeholder="What is it about? Setting, characters, tone…")
+                create_btn = gr.Button("Create project", variant="primary", elem_id="create-project")
+            chapters_radio = gr.Radio(label="Chapters", choices=[], elem_id="chapter-list",
+                                      elem_classes="chapter-list")
+            with gr.Row(elem_classes="tight-row"):
+                add_ch_btn = gr.Button("+ Chapter", size="sm", elem_id="add-chapter", min_width=60)
+                up_btn = gr.Button("↑", size="sm", elem_id="chapter-up", min_width=36)
+                down_btn = gr.Button("↓", size="sm", elem_id="chapter-down", min_width=36)
+                del_ch_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="delete-chapter", min_width=60)
+            with gr.Group(visible=False, elem_classes="confirm-box") as del_ch_confirm:
+                del_ch_msg = gr.HTML(js_on_load=None)
+                with gr.Row(elem_classes="tight-row"):
+                    del_ch_yes = gr.Button("Delete chapter", variant="stop", size="sm",
+                                           elem_id="confirm-delete-chapter")
+                    del_ch_no = gr.Button("Cancel", size="sm")
+            with gr.Accordion("Project settings", open=False, elem_id="project-settings"):
+                proj_title = gr.Textbox(label="Title", max_length=200, elem_id="project-title")
+                proj_kind = gr.Radio(KIND_CHOICES, label="Kind", value="novel")
+                with gr.Row(elem_classes="tight-row"):
+                    save_proj_btn = gr.Button("Save", size="sm", elem_id="save-project")
+                    del_proj_btn = gr.Button("Delete project", size="sm", variant="stop", elem_id="delete-project")
+                with gr.Group(visible=False, elem_classes="confirm-box") as del_proj_confirm:
+                    del_proj_msg = gr.HTML(js_on_load=None)
+                    with gr.Row(elem_classes="tight-row"):
+                        del_proj_yes = gr.Button("Delete project", variant="stop", size="sm",
+                                                 elem_id="confirm-delete-project")
+                        del_proj_no = gr.Button("Cancel", size="sm")
+
+        with gr.Tabs(elem_id="tabs"):
+            # -- Write --
+            with gr.Tab("Write", id="write", elem_id="tab-write"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=3, min_width=460):
+                        with gr.Row(equal_height=True):
+                            chapter_title = gr.Textbox(label="Chapter title", max_length=200, scale=3,
+                                                       elem_id="chapter-title", interactive=False)
+                        with gr.Accordion("Premise and chapter instructions", open=True, elem_id="premise-box"):
+                            with gr.Row():
+                                premise = gr.Textbox(label="Premise (whole project)", lines=3, max_lines=8,
+                                                     elem_id="premise", interactive=False,
+                                                     placeholder="What the book or report is about.")
+                                instructions = gr.Textbox(label="Instructions for this chapter", lines=3,
+                                                          max_lines=8, elem_id="instructions", interactive=False,
+                                                          placeholder="What should happen in this chapter?")
+                        with gr.Row(elem_classes="run-buttons"):
+                            gen_btn = gr.Button("Generate", variant="primary", elem_id="generate", interactive=False)
+                            cont_btn = gr.Button("Continue", elem_id="continue", interactive=False)
+                            regen_btn = gr.Button("Regenerate", elem_id="regenerate", interactive=False)
+                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop", interactive=False)
+                            resume_btn = gr.Button("Resume", variant="primary", elem_id="resume", visible=False)
+                        status_html = gr.HTML(elem_id="run-status", js_on_load=None)
+                        with gr.Accordion("Generation settings", open=False, elem_id="write-settings"):
+                            h.write_panel = settings_panel.build("write")
+                        chapter_text = gr.Textbox(label="Chapter text", lines=18, max_lines=36, interactive=True,
+                                                  elem_id="chapter-text", elem_classes="chapter-text",
+                                                  buttons=["copy"], autoscroll=True)
+                        with gr.Row(equal_height=True):
+                            counts_html = gr.HTML(elem_id="counts", js_on_load=None)
+                            save_btn = gr.Button("Save edits", size="sm", elem_id="save-chapter", interactive=False,
+                                                 scale=0, min_width=120)
+                    with gr.Column(scale=2, min_width=340, elem_classes="charts"):
+                        write_plots = _plots("write")
+
+            # -- Compare --
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=3):
+                        cmp_prompt = gr.Textbox(label="Prompt", lines=5, max_lines=12, elem_id="compare-prompt",
+                                                placeholder="The same prompt, seed and settings go to vanilla "
+                                                            "decoding and to TokenSwift, one after the other.")
+                        with gr.Row():
+                            cmp_btn = gr.Button("Run comparison", variant="primary", elem_id="run-compare", scale=0,
+                                                min_width=220)
+                    with gr.Column(scale=2):
+                        h.compare_panel = settings_panel.build("compare", include_method=False, compact=True)
+                cmp_summary = gr.HTML(elem_id="compare-summary", js_on_load=None)
+                with gr.Row(elem_classes="compare-grid", equal_height=False):
+                    with gr.Column():
+                        cmp_ar_line = gr.HTML(js_on_load=None)
+                        cmp_ar_text = gr.Textbox(label="Vanilla decoding", lines=12, max_lines=24, interactive=False,
+                                                 elem_id="compare-ar", elem_classes="chapter-text")
+                    with gr.Column():
+                        cmp_ts_line = gr.HTML(js_on_load=None)
+                        cmp_ts_text = gr.Textbox(label="TokenSwift", lines=12, max_lines=24, interactive=False,
+                                                 elem_id="compare-ts", elem_classes="chapter-text")
+                with gr.Row():
+                    cmp_plots = _plots("compare")
+                with gr.Accordion("Past comparisons", open=True):
+                    cmp_pick = gr.Dropdown(label="Show comparison", choices=[], value=None, elem_id="compare-pick",
+                                           info="Or click a row of the table.")
+                    cmp_table = gr.Dataframe(headers=views.COMPARE_COLUMNS, interactive=False, wrap=True,
+                                             elem_id="compare-table", max_height=320)
+
+            # -- History & export --
+            with gr.Tab("History & export", id="history", elem_id="tab-history") as history_tab:
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=1, min_width=260):
+                        gr.Markdown("### Export the open project")
+                        export_fmt = gr.Radio(EXPORT_CHOICES, value="markdown", label="Format", elem_id="export-format")
+                        export_btn = gr.Button("Export", variant="primary", elem_id="export")
+                        export_file = gr.File(label="Download", interactive=False, elem_id="export-file",
+                                              visible=False)
+                    with gr.Column(scale=4):
+                        with gr.Row(equal_height=True):
+                            all_projects = gr.Checkbox(label="All projects", value=False, elem_id="all-projects")
+                            history_btn = gr.Button("Refresh", size="sm", scale=0, min_width=100)
+                        runs_table = gr.Dataframe(headers=views.RUN_COLUMNS, interactive=False, elem_id="runs-table",
+                                                  max_height=340)
+                        run_pick = gr.Dropdown(label="Run", choices=[], value=None, elem_id="run-pick")
+                        run_summary = gr.HTML(js_on_load=None, elem_id="run-summary")
+                        with gr.Accordion("Raw metrics", open=False):
+                            run_metrics = gr.JSON(elem_id="run-metrics")
+                with gr.Row():
+                    run_plots = _plots("history")
+
+        # -- wiring --
+        panel_w, panel_c = h.write_panel, h.compare_panel
+        assert panel_w is not None and panel_c is not None
+        chapter_outs = [chapter_title, instructions, chapter_owner, remembered]
+        project_outs = [project_dd, proj_title, proj_kind, premise, project_owner, *panel_w.components, *chapter_outs]
+        write_poll_outs = [worker_html, chapters_radio, status_html, chapter_text, counts_html, *write_plots,
+                           gen_btn, cont_btn, regen_btn, stop_btn, resume_btn, save_btn]
+        assert len(write_poll_outs) == WRITE_POLL_OUTPUTS
+        cmp_poll_outs = [cmp_summary, cmp_ar_line, cmp_ts_line, cmp_ar_text, cmp_ts_text, *cmp_plots, cmp_table]
+        assert len(cmp_poll_outs) == COMPARE_POLL_OUTPUTS
+        cmp_pick_outs = [cmp_pick, remembered]
+        quiet = {"show_progress": "hidden"}
+
+        def then_refresh(event: Any) -> Any:
+            return event.then(h.refresh, [view, cache], write_poll_outs, api_visibility="private", **quiet)
+
+        def then_drive(event: Any) -> Any:
+            # ZeroGPU only: run the queue in GPU chunks inside a request. Elsewhere the worker thread does it.
+            if ctx.driver is None:
+                return event
+            return event.then(h.drive, None, None, api_visibility="private", **quiet)
+
+        # The polls first: follow-up refreshes below reuse their functions, and the first registration gets the name.
+        timer.tick(h.refresh, [view, cache, remembered], write_poll_outs, api_name="refresh", concurrency_limit=8,
+                   concurrency_id="poll", **quiet)
+        timer.tick(h.refresh_compare, [view, cache, remembered], cmp_poll_outs, api_name="refresh_compare",
+                   concurrency_limit=8, concurrency_id="poll", **quiet)
+        loaded = demo.load(h.load, [view, remembered], project_outs + [new_acc, cmp_pick], api_name="load")
+        then_refresh(loaded).then(h.comparisons_table, None, cmp_table, api_visibility="private", **quiet)
+
+        then_refresh(create_btn.click(h.create_project, [view, new_title, new_kind, new_premise],
+                                      project_outs + [new_title, new_premise, new_acc], api_name="create_project"))
+        then_refresh(project_dd.input(h.open_project, [view, project_dd], project_outs, api_name="open_project"))
+        then_refresh(save_proj_btn.click(h.save_project, [view, project_owner, proj_title, proj_kind], project_outs,
+                                         api_name="save_project"))
+        del_proj_btn.click(h.ask_delete_project, [view], [del_proj_confirm, del_proj_msg], api_visibility="private")
+        del_proj_no.click(_hide, None, del_proj_confirm, api_visibility="private")
+        then_refresh(del_proj_yes.click(h.delete_project, [view], project_outs + [del_proj_confirm],
+                                        api_name="delete_project"))
+
+        then_refresh(chapters_radio.input(h.open_chapter, [view, chapters_radio], chapter_outs,
+                                          api_name="open_chapter"))
+        then_refresh(add_ch_btn.click(h.add_chapter, [view], chapter_outs, api_name="add_chapter"))
+        then_refresh(up_btn.click(functools.partial(h.move_chapter, delta=-1), [view], None,
+                                  api_name="move_chapter_up"))
+        then_refresh(down_btn.click(functools.partial(h.move_chapter, delta=1), [view], None,
+                                    api_name="move_chapter_down"))
+        del_ch_btn.click(h.ask_delete_chapter, [view], [del_ch_confirm, del_ch_msg], api_visibility="private")
+        del_ch_no.click(_hide, None, del_ch_confirm, api_visibility="private")
+        then_refresh(del_ch_yes.click(h.delete_chapter, [view], chapter_outs + [del_ch_confirm],
+                                      api_name="delete_chapter"))
+
+        meta_inputs = [view, project_owner, chapter_owner, premise, chapter_title, instructions]
+        for box in (premise, chapter_title, instructions):
+            then_refresh(box.blur(h.autosave, meta_inputs, None, api_visibility="private", **quiet))
+        then_refresh(save_btn.click(h.save_chapter, [view, cache, project_owner, chapter_owner, premise,
+                                                     chapter_title, instructions, chapter_text], None,
+                                    api_name="save_chapter"))
+
+        for button, mode in ((gen_btn, "generate"), (cont_btn, "continue"), (regen_btn, "regenerate"),
+                             (resume_btn, "resume")):
+            then_drive(then_refresh(button.click(_queue_handler(h, mode), meta_inputs, status_html, api_name=mode,
+                                                 inputs_kwargs=panel_w.by_name())))
+        then_refresh(stop_btn.click(h.stop, [view], None, api_name="stop"))
+
+        cmp_started = cmp_btn.click(h.start_comparison, [view, cmp_prompt], cmp_pick_outs + [cmp_table],
+                                    api_name="compare", inputs_kwargs=panel_c.by_name())
+        then_drive(cmp_started.then(h.refresh_compare, [view, cache], cmp_poll_outs, api_visibility="private",
+                                    **quiet))
+        cmp_pick.input(h.open_comparison, [view, cmp_pick], cmp_pick_outs, api_name="open_comparison").then(
+            h.refresh_compare, [view, cache], cmp_poll_outs, api_visibility="private", **quiet)
+        cmp_table.select(h.select_comparison, [view], cmp_pick_outs, api_visibility="private").then(
+            h.refresh_compare, [view, cache], cmp_poll_outs, api_visibility="private", **quiet)
+
+        history_outs = [runs_table, run_pick]
+        details_outs = [run_summary, run_metrics, *run_plots]
+        run_pick.input(h.run_details, [run_pick], details_outs, api_name="run_details")
+        history_btn.click(h.history, [view, all_projects, run_pick], history_outs, api_name="history").then(
+            h.run_details, [run_pick], details_outs, api_visibility="private")
+        for trigger in (history_tab.select, all_projects.input):
+            trigger(h.history, [view, all_projects, run_pick], history_outs, api_visibility="private").then(
+                h.run_details, [run_pick], details_outs, api_visibility="private")
+        runs_table.select(h.select_run, None, run_pick, api_visibility="private").then(
+            h.run_details, [run_pick], details_outs, api_visibility="private")
+        export_btn.click(h.export, [view, export_fmt], export_file, api_name="export")
+    demo.queue(default_concurrency_limit=4)
+    return demo

@@ -1,0 +1,279 @@
+"""Small pure formatters from storage rows to what the page shows: badges, status lines, labels, tables.
+
+Everything user- or model-written that ends up in HTML passes through ``esc`` here, so the UI module never builds
+markup from raw text. No Gradio, no database access: easy to unit-test.
+"""
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+METHOD_LABELS = {"tokenswift": "TokenSwift", "ar": "Vanilla"}
+MODE_LABELS = {"generate": "Generate", "continue": "Continue", "regenerate": "Regenerate", "resume": "Resume",
+               "compare": "Compare"}
+STATUS_LABELS = {"queued": "queued", "running": "running", "done": "done", "failed": "failed",
+                 "cancelled": "stopped", "interrupted": "interrupted"}
+ACTIVE = ("queued", "running")
+# Worker states in order of preference when several workers report (one ready worker is enough).
+WORKER_STATES = {"ready": ("done", "Worker ready"), "compiling": ("running", "Compiling…"),
+                 "loading model": ("running", "Loading model…"), "failed": ("failed", "Worker failed"),
+                 "stopped": ("queued", "Worker stopped")}
+
+
+def esc(text: Any) -> str:
+    """HTML-escape anything (None becomes empty)."""
+    return html.escape("" if text is None else str(text), quote=True)
+
+
+def badge(kind: str, label: str | None = None) -> str:
+    """A status pill (styles in assets/studio.css: badge-queued, badge-running, ...)."""
+    kind = kind if kind in ("queued", "running", "done", "failed", "interrupted", "cancelled") else "queued"
+    return f'<span class="badge-{kind}">{esc(label if label is not None else STATUS_LABELS.get(kind, kind))}</span>'
+
+
+def fmt_int(n: int | None) -> str:
+    return "–" if n is None else f"{int(n):,}"
+
+
+def fmt_float(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def short(text: str, limit: int = 80) -> str:
+    """One line, at most ``limit`` characters (for labels and tables)."""
+    line = " ".join((text or "").split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+# -- worker ----------------------------------------------------------------------------------------------------------
+
+def worker_badge(states: Sequence[Any], zerogpu: bool = False) -> str:
+    """The header's worker line from ``get_worker_states`` rows."""
+    note = ' <span class="muted">· ZeroGPU: a GPU is attached for each chunk of generation</span>' if zerogpu else ""
+    live = [s for s in states if s.state != "stopped"] or list(states)
+    if not live and zerogpu:
+        return f'<div class="worker-line">{badge("queued", "ZeroGPU")}{note}</div>'
+    if not live:
+        return (f'<div class="worker-line">{badge("queued", "No worker")} <span class="muted">start one with '
+                "<code>python -m app.worker</code>; queued runs wait for it</span></div>")
+    order = list(WORKER_STATES)
+    best = min(live, key=lambda s: (order.index(s.state) if s.state in order else len(order),
+                                    -(s.updated_at.timestamp() if s.updated_at else 0)))
+    kind, label = WORKER_STATES.get(best.state, ("queued", best.state))
+    detail = best.message or ""
+    if best.model and best.state in ("ready", "loading model", "compiling"):
+        detail = model_name(best.model) + (f" · {detail}" if detail else "")
+    extra = f' <span class="muted">{esc(short(detail, 120))}</span>' if detail else ""
+    more = len([s for s in live if s.state == "ready"])
+    if more > 1:
+        extra += f' <span class="muted">({more} workers)</span>'
+    return f'<div class="worker-line">{badge(kind, label)}{extra}{note}</div>'
+
+
+def model_name(spec: str) -> str:
+    """A model spec as shown: a path becomes its last part ("/data/models/llama-3b" -> "llama-3b")."""
+    spec = spec.rstrip("/\\")
+    return spec.replace("\\", "/").rsplit("/", 1)[-1] if ("/" in spec and spec.startswith(("/", ".", "~"))) else spec
+
+
+# -- runs ------------------------------------------------------------------------------------------------------------
+
+def run_status(run: Any | None, *, position: int | None = None, tokens_per_s: float | None = None,
+               tokens_per_step: float | None = None, worker_ready: bool = True) -> str:
+    """The status line under the chapter buttons for its latest run (HTML)."""
+    if run is None:
+        return '<div class="run-status">Not written yet: add a premise, then press <b>Generate</b>.</div>'
+    method = METHOD_LABELS.get(run.method, run.method)
+    tps = tokens_per_s if tokens_per_s is not None else run.tokens_per_s
+    per_step = tokens_per_step if tokens_per_step is not None else run.mean_accepted
+    numbers = (f'<span class="num">{fmt_int(run.n_tokens)}</span> tokens · '
+               f'<span class="num">{fmt_float(tps)}</span> tok/s · '
+               f'<span class="num">{fmt_float(per_step, 2)}</span> tokens/step')
+    what = f"{esc(MODE_LABELS.get(run.mode, run.mode))} · {esc(method)}"
+    status = run.status
+    if status == "queued":
+        where = f"position {position} in the queue" if position else "in the queue"
+        wait = "" if worker_ready else " · waiting for the worker"
+        body = f"{badge('queued')} {what} · {where}{wait}"
+    elif status == "running":
+        body = f"{badge('running')} {what} · {numbers}"
+    elif status == "done":
+        body = f"{badge('done')} {what} · {numbers}"
+    elif status == "failed":
+        body = f"{badge('failed')} {what} · {esc(run.error or 'The run failed.')}"
+    elif status == "cancelled":
+        body = (f"{badge('cancelled', 'stopped')} {what} · stopped after {fmt_int(run.n_tokens)} tokens"
+                + ("; <b>Resume</b> carries on exactly, <b>Continue</b> starts a fresh run after the text"
+                   if run.n_tokens else ""))
+    elif status == "interrupted":
+        body = (f"{badge('interrupted')} {what} · interrupted after {fmt_int(run.n_tokens)} tokens; "
+                "press <b>Resume</b> to carry on exactly where it stopped")
+    else:
+        body = f"{badge('queued', status)} {what}"
+    return f'<div class="run-status">{body}</div>'
+
+
+def counts_line(words: int, chars: int | None, run_tokens: int | None, tail_chars: int | None = None) -> str:
+    """Words / characters of the chapter and tokens of its latest run (Markdown-free HTML)."""
+    parts = [f'<span class="num">{fmt_int(words)}</span> words']
+    if chars is not None:
+        parts.append(f'<span class="num">{fmt_int(chars)}</span> characters')
+    if run_tokens is not None:
+        parts.append(f'<span class="num">{fmt_int(run_tokens)}</span> tokens in the latest run')
+    if tail_chars:
+        parts.append(f"showing the last {fmt_int(tail_chars)} characters while it is written")
+    return f'<div class="run-status counts">{" · ".join(parts)}</div>'
+
+
+def chapter_label(position: int, chapter: Any) -> str:
+    """A chapter-list entry: "3. Title ✓" (✓ done, ● being written)."""
+    mark = {"done": " ✓", "generating": " ●"}.get(chapter.status, "")
+    return f"{position + 1}. {short(chapter.title, 60)}{mark}"
+
+
+def project_label(project: Any) -> str:
+    return f"{short(project.title, 60)} ({project.kind})"
+
+
+def run_label(run: Any) -> str:
+    """A run-picker entry: "#12 · TokenSwift · generate · done · 512 tokens"."""
+    return (f"#{run.id} · {METHOD_LABELS.get(run.method, run.method)} · {run.mode} · "
+            f"{STATUS_LABELS.get(run.status, run.status)} · {fmt_int(run.n_tokens)} tokens")
+
+
+def when(ts: datetime | None) -> str:
+    return ts.strftime("%Y-%m-%d %H:%M") if ts else ""
+
+
+RUN_COLUMNS = ["Run", "Queued (UTC)", "Chapter", "Mode", "Method", "Tokens", "tok/s", "tok/step", "Speedup",
+               "Status"]
+
+
+def runs_table(runs: Iterable[Any], chapter_titles: Mapping[int, str], speedups: Mapping[int, float]) -> list[list]:
+    """Rows for the History table (plain values; the Dataframe renders them as text)."""
+    rows = []
+    for r in runs:
+        rows.append([
+            r.id, when(r.queued_at),
+            short(chapter_titles.get(r.chapter_id, "") if r.chapter_id else
+                  ("(compare)" if r.comparison_id else ""), 40),
+            r.mode, METHOD_LABELS.get(r.method, r.method), r.n_tokens,
+            round(r.tokens_per_s, 1) if r.tokens_per_s else None,
+            round(r.mean_accepted, 2) if r.mean_accepted else None,
+            f"{speedups[r.id]:.2f}×" if r.id in speedups else "",
+            STATUS_LABELS.get(r.status, r.status),
+        ])
+    return rows
+
+
+def speedup(ar: Any | None, ts: Any | None) -> float | None:
+    """TokenSwift decode tokens/s over vanilla's, when both are known."""
+    if ar is None or ts is None or not ar.tokens_per_s or not ts.tokens_per_s:
+        return None
+    return ts.tokens_per_s / ar.tokens_per_s
+
+
+def run_summary(run: Any, *, chapter_title: str | None = None, tokens_per_step: float | None = None,
+                speedup_x: float | None = None) -> str:
+    """The History tab's card for one run (HTML)."""
+    rows = [
+        ("Run", f"#{run.id} · {esc(MODE_LABELS.get(run.mode, run.mode))}"),
+        ("Method", esc(METHOD_LABELS.get(run.method, run.method))),
+        ("Status", badge(run.status if run.status in STATUS_LABELS else "queued", STATUS_LABELS.get(run.status))),
+        ("Chapter", esc(chapter_title) if chapter_title else "–"),
+        ("Model", esc(run.model) + (f" · heads {esc(run.heads)}" if run.heads else "")),
+        ("Tokens", fmt_int(run.n_tokens)),
+        ("Decode", f"{fmt_float(run.tokens_per_s)} tok/s"
+                   + (f" in {fmt_float(run.decode_s, 2)} s" if run.decode_s else "")),
+        ("Prefill", f"{fmt_float(run.prefill_s, 2)} s"),
+        ("Tokens/step", fmt_float(tokens_per_step if tokens_per_step is not None else run.mean_accepted, 2)),
+    ]
+    if speedup_x is not None:
+        rows.append(("Speedup", f"{speedup_x:.2f}× over vanilla"))
+    if run.settings:
+        rows.append(("Settings", esc(", ".join(f"{k}={v}" for k, v in sorted(run.settings.items())))))
+    if run.error:
+        rows.append(("Message", esc(run.error)))
+    body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+    return f'<table class="kv">{body}</table>'
+
+
+# -- compare ---------------------------------------------------------------------------------------------------------
+
+def tile(label: str, value: str, note: str = "", kind: str = "") -> str:
+    cls = f"tile {kind}".strip()
+    note_html = f'<div class="tile-note">{note}</div>' if note else ""
+    return (f'<div class="{cls}"><div class="tile-label">{esc(label)}</div>'
+            f'<div class="tile-value">{value}</div>{note_html}</div>')
+
+
+def compare_summary(comparison: Any | None, ar: Any | None, ts: Any | None,
+                    ar_steps: float | None = None, ts_steps: float | None = None) -> str:
+    """Metric tiles for a comparison: throughput of each, speedup, tokens/step, identical tokens (HTML)."""
+    if comparison is None:
+        return ('<div class="compare-empty">Run a comparison: the same prompt, seed and settings are decoded with '
+                "vanilla decoding, then with TokenSwift, on the same worker.</div>")
+    x = speedup(ar, ts)
+
+    def tps(run: Any | None) -> str:
+        if run is None:
+            return "–"
+        if run.tokens_per_s:
+            return f"{run.tokens_per_s:,.1f}<small> tok/s</small>"
+        return STATUS_LABELS.get(run.status, run.status)
+
+    if comparison.tokens_match is True:
+        same = tile("Identical tokens", "✓ yes", "lossless: the same token ids", "good")
+    elif comparison.tokens_match is False:
+        same = tile("Identical tokens", "✗ no", f"first differ at token {fmt_int(comparison.first_divergence)}",
+                    "bad")
+    else:
+        same = tile("Identical tokens", "…", "known when both runs are done")
+    ar_per = ar_steps if ar_steps is not None else (ar.mean_accepted if ar else None)
+    ts_per = ts_steps if ts_steps is not None else (ts.mean_accepted if ts else None)
+    tiles = [
+        tile("Vanilla", tps(ar), f"{fmt_int(ar.n_tokens if ar else None)} tokens"),
+        tile("TokenSwift", tps(ts), f"{fmt_int(ts.n_tokens if ts else None)} tokens"),
+        tile("Speedup", f"{x:.2f}×" if x else "…", "decode tokens/s, TokenSwift over vanilla",
+             "accent" if x else ""),
+        tile("Tokens per step", f"{fmt_float(ar_per, 2)} → {fmt_float(ts_per, 2)}", "vanilla → TokenSwift"),
+        same,
+    ]
+    return f'<div class="tiles">{"".join(tiles)}</div>'
+
+
+def compare_run_line(label: str, run: Any | None, position: int | None = None) -> str:
+    if run is None:
+        return f'<div class="run-status"><b>{esc(label)}</b></div>'
+    if run.status == "queued":
+        state = badge("queued") + (f" position {position} in the queue" if position else "")
+    elif run.status == "failed":
+        state = badge("failed") + " " + esc(run.error or "")
+    else:
+        state = (badge(run.status if run.status in STATUS_LABELS else "queued", STATUS_LABELS.get(run.status))
+                 + f' <span class="num">{fmt_int(run.n_tokens)}</span> tokens'
+                 + (f' · <span class="num">{fmt_float(run.tokens_per_s)}</span> tok/s' if run.tokens_per_s else ""))
+    return f'<div class="run-status"><b>{esc(label)}</b> {state}</div>'
+
+
+COMPARE_COLUMNS = ["#", "Created (UTC)", "Prompt", "Tokens", "Vanilla tok/s", "TokenSwift tok/s", "Speedup",
+                   "Identical"]
+
+
+def comparison_label(c: Any) -> str:
+    return f"#{c.id} · {short(c.prompt, 50)}"
+
+
+def comparisons_table(comparisons: Iterable[Any], runs: Mapping[int, Any]) -> list[list]:
+    rows = []
+    for c in comparisons:
+        ar, ts = runs.get(c.ar_run_id), runs.get(c.tokenswift_run_id)
+        x = speedup(ar, ts)
+        same = {True: "yes", False: f"no (token {c.first_divergence})", None: "…"}[c.tokens_match]
+        rows.append([c.id, when(c.created_at), short(c.prompt, 60), ts.n_tokens if ts else None,
+                     round(ar.tokens_per_s, 1) if ar and ar.tokens_per_s else None,
+                     round(ts.tokens_per_s, 1) if ts and ts.tokens_per_s else None,
+                     f"{x:.2f}×" if x else "", same])
+    return rows

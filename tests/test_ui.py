@@ -1,0 +1,295 @@
+"""The UI's handlers and live polling without a browser or a model: a fake worker writes progress through storage
+the way app/worker.py does, and the tests check what each session's page would be sent."""
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+import storage
+from app import jobs, live, views
+from app.live import LIVE_TAIL_CHARS, LiveCache, View
+from app.ui import Handlers, StudioContext, build_ui, guarded
+
+MODEL = "tiny"
+
+
+@pytest.fixture
+def db(tmp_path):
+    with storage.open_database(tmp_path / "studio.db") as db:
+        yield db
+
+
+@pytest.fixture
+def h(db):
+    handlers = Handlers(StudioContext(db=db, model=MODEL))
+    with gr.Blocks():  # the settings panels need a Blocks context to be created in
+        from app import settings_panel
+
+        handlers.write_panel = settings_panel.build("write")
+        handlers.compare_panel = settings_panel.build("compare", include_method=False)
+    return handlers
+
+
+def new_project(h: Handlers, view: View, title: str = "Novel", premise: str = "A premise.") -> int:
+    h.create_project(view, title, "novel", premise)
+    return view.project_id
+
+
+def generate(h: Handlers, view: View, mode: str = "generate", **settings) -> str:
+    return h.queue_run(mode, view, view.project_id, view.chapter_id, None, None, None,
+                       **{"max_new_tokens": 64, **settings})
+
+
+class FakeWorker:
+    """Claims runs and appends output the way app/worker.py does (no model)."""
+
+    def __init__(self, db):
+        self.db = db
+
+    def claim(self):
+        return storage.claim_next_run(self.db, "fake-worker")
+
+    def write(self, run_id: int, text: str, first_step: int, n_steps: int, tokens_per_step: int = 2) -> None:
+        steps = [{"step": first_step + i, "new_tokens": tokens_per_step, "accepted": tokens_per_step - 1,
+                  "from_ngram": 1 if i % 2 else 0, "step_ms": 10.0,
+                  "tokens_so_far": (first_step + i + 1) * tokens_per_step, "repetition": 0.1}
+                 for i in range(n_steps)]
+        ids = list(range(n_steps * tokens_per_step))
+        storage.append_output(self.db, run_id, text, ids, steps, tokens_per_s=200.0, mean_accepted=2.0)
+
+
+def test_blocks_build_with_named_api():
+    with storage.open_database(":memory:") as db:
+        demo = build_ui(StudioContext(db=db, model=MODEL))
+        names = set(demo.get_api_info()["named_endpoints"])
+    for name in ("load", "refresh", "refresh_compare", "create_project", "open_project", "save_project",
+                 "delete_project", "open_chapter", "add_chapter", "move_chapter_up", "move_chapter_down",
+                 "delete_chapter", "save_chapter", "generate", "continue", "regenerate", "resume", "stop", "compare",
+                 "open_comparison", "history", "run_details", "export"):
+        assert f"/{name}" in names, name
+
+
+def test_create_generate_and_watch_progress(h, db):
+    view, cache = View(), LiveCache()
+    new_project(h, view)
+    assert view.chapter_id is not None  # a first chapter comes with the project
+
+    up = live.poll_write(db, view, cache)
+    assert up.chapters is not None and up.chapters[0][0][0] == "1. Chapter 1"
+    assert "Not written yet" in up.status_html
+    assert up.controls == {"can_write": True, "active": False, "resumable": False, "run_id": None}
+
+    status = generate(h, view, method="ar", seed=3)
+    assert "queued" in status and "position 1" in status
+    run = storage.latest_run_for_chapter(db, view.chapter_id)
+    assert run.settings["method"] == "ar" and run.settings["seed"] == 3 and run.model == MODEL
+    assert storage.get_project(db, view.project_id).settings["seed"] == 3  # remembered as project defaults
+
+    up = live.poll_write(db, view, cache)
+    assert "queued" in up.status_html and up.controls["active"] and not up.controls["can_write"]
+
+    worker = FakeWorker(db)
+    worker.claim()
+    worker.write(run.id, "Once upon a time", 0, 10)
+    up = live.poll_write(db, view, cache)
+    assert up.text == ("Once upon a time", False)  # live: read-only
+    assert "running" in up.status_html and "20</span> tokens" in up.status_html
+    assert up.figures is not None and len(up.figures[0].data[0].x) == 10
+    assert 'num">4</span> words' in up.counts_html
+
+    # Nothing changed: nothing is sent.
+    assert live.poll_write(db, view, cache) == live.WriteUpdate()
+
+    worker.write(run.id, ", there was a keeper.", 10, 5)
+    up = live.poll_write(db, view, cache)
+    assert up.text[0] == "Once upon a time, there was a keeper."
+    assert cache.buckets.n_steps == 15 and up.figures is not None
+
+    storage.finish_run(db, run.id, "done", decode_s=0.5)
+    up = live.poll_write(db, view, cache)
+    assert up.text == ("Once upon a time, there was a keeper.", True)  # editable again
+    assert "done" in up.status_html and up.controls["can_write"]
+
+
+def test_stop_queued_and_running(h, db):
+    view = View()
+    new_project(h, view)
+    generate(h, view)
+    h.stop(view)
+    assert storage.latest_run_for_chapter(db, view.chapter_id).status == "cancelled"
+    generate(h, view, mode="regenerate")
+    run = FakeWorker(db).claim()
+    h.stop(view)
+    assert storage.is_cancel_requested(db, run.id)
+
+
+def test_interrupted_run_offers_resume(h, db):
+    view, cache = View(), LiveCache()
+    new_project(h, view)
+    generate(h, view)
+    worker = FakeWorker(db)
+    run = worker.claim()
+    worker.write(run.id, "Half a story", 0, 3)
+    storage.mark_interrupted(db, "fake-worker")
+    up = live.poll_write(db, view, cache)
+    assert up.controls["resumable"] and "interrupted" in up.status_html and "Resume" in up.status_html
+    with pytest.raises(gr.Error, match="no saved prompt"):
+        generate(h, view, mode="resume")
+
+
+def test_long_text_shows_a_read_only_tail_while_running(h, db):
+    view, cache = View(), LiveCache()
+    new_project(h, view)
+    generate(h, view)
+    worker = FakeWorker(db)
+    run = worker.claim()
+    long_text = "word " * (LIVE_TAIL_CHARS // 4)
+    worker.write(run.id, long_text, 0, 2)
+    up = live.poll_write(db, view, cache)
+    shown, editable = up.text
+    assert not editable and shown.startswith("…") and len(shown) == LIVE_TAIL_CHARS + 1
+    assert "showing the last" in up.counts_html
+    # A textbox holding only the tail must never replace the chapter.
+    with pytest.raises(gr.Error, match="being written"):
+        h.save_chapter(view, cache, view.project_id, view.chapter_id, None, None, None, shown)
+    storage.finish_run(db, run.id, "done")
+    up = live.poll_write(db, view, cache)
+    assert up.text == (long_text, True) and cache.text_full
+
+
+def test_manual_edit_and_chapter_management(h, db):
+    view, cache = View(), LiveCache()
+    project_id = new_project(h, view)
+    first = view.chapter_id
+    live.poll_write(db, view, cache)
+    h.save_chapter(view, cache, project_id, first, "New premise", "Opening", "Be brief.", "Hand-written text.")
+    chapter = storage.get_chapter(db, first)
+    assert (chapter.title, chapter.instructions, chapter.text) == ("Opening", "Be brief.", "Hand-written text.")
+    assert storage.get_project(db, project_id).premise == "New premise"
+
+    h.add_chapter(view)
+    second = view.chapter_id
+    assert second != first
+    h.move_chapter(view, delta=-1)
+    assert [c.id for c in storage.list_chapters(db, project_id)] == [second, first]
+    h.open_chapter(view, first)
+    h.delete_chapter(view)
+    assert [c.id for c in storage.list_chapters(db, project_id)] == [second] and view.chapter_id == second
+
+    h.save_project(view, project_id, "Renamed", "report")
+    project = storage.get_project(db, project_id)
+    assert (project.title, project.kind) == ("Renamed", "report")
+    h.delete_project(view)
+    assert view.project_id is None and storage.list_projects(db) == []
+
+
+def test_sessions_never_touch_each_others_projects(h, db):
+    a, b = View(), View()
+    pa = new_project(h, a, "Alpha", "Alpha premise")
+    pb = new_project(h, b, "Beta", "Beta premise")
+    # b cannot open a's chapter, and stale owner ids (the page showed another project) are refused.
+    with pytest.raises(gr.Error, match="another project"):
+        h.open_chapter(b, a.chapter_id)
+    with pytest.raises(gr.Error, match="switched project"):
+        h.queue_run("generate", a, pb, None, "leaked", None, None)
+    h.autosave(a, pb, b.chapter_id, "leaked", "x", "y")  # silently ignored
+    assert storage.get_project(db, pa).premise == "Alpha premise"
+    assert storage.get_project(db, pb).premise == "Beta premise"
+    # A chapter opened in a, then its project switched away in the same session: no cross-project writes.
+    a.chapter_id = b.chapter_id
+    with pytest.raises(gr.Error, match="another project"):
+        generate(h, a)
+
+
+def test_errors_become_readable_escaped_messages(h, db):
+    view = View()
+    with pytest.raises(gr.Error) as e:
+        h.create_project(view, "  ", "novel", "")
+    assert "cannot be empty" in e.value.message
+    with pytest.raises(gr.Error, match="Open or create a project first"):
+        h.add_chapter(view)
+    with pytest.raises(gr.Error) as e:
+        h.create_project(view, "x", "<script>", "")
+    assert "<script>" not in e.value.message and "&lt;script&gt;" in e.value.message
+
+    @guarded
+    def boom():
+        raise RuntimeError("disk <full>")
+
+    with pytest.raises(gr.Error) as e:
+        boom()
+    assert "Something went wrong" in e.value.message and "&lt;full&gt;" in e.value.message
+    new_project(h, view)
+    with pytest.raises(gr.Error, match="Temperature must be between"):
+        generate(h, view, temperature=9.0)
+
+
+def test_compare_flow_and_history(h, db):
+    view, cache = View(), LiveCache()
+    h.start_comparison(view, "A prompt", max_new_tokens=16, seed=5)
+    comparison = storage.get_comparison(db, view.compare_id)
+    up = live.poll_compare(db, view.compare_id, cache)
+    assert "Vanilla" in up.summary_html and "queued" in up.ar_line and up.active
+    worker = FakeWorker(db)
+    for run_id, per_step in ((comparison.ar_run_id, 1), (comparison.tokenswift_run_id, 2)):
+        run = worker.claim()
+        assert run.id == run_id  # vanilla first, then TokenSwift
+        worker.write(run.id, "Same text.", 0, 8 // per_step, tokens_per_step=per_step)  # the same 8 token ids
+        storage.finish_run(db, run.id, "done", decode_s=1.0 / per_step)
+    up = live.poll_compare(db, view.compare_id, cache)
+    assert up.ar_text == up.ts_text == "Same text."
+    assert "✓ yes" in up.summary_html and "×" in up.summary_html and up.listing_changed and not up.active
+    assert up.figures is not None and [t.name for t in up.figures[1].data] == ["Vanilla", "TokenSwift"]
+
+    table, picker = h.history(view, True)
+    rows = table["value"]
+    assert [r[4] for r in rows] == ["TokenSwift", "Vanilla"] and rows[0][8].endswith("×")
+    assert picker["value"] == comparison.tokenswift_run_id
+    summary, metrics, *figures = h.run_details(comparison.tokenswift_run_id)
+    assert metrics["steps"] == 4 and metrics["speedup"] == pytest.approx(2.0) and "TokenSwift" in summary
+    assert metrics["tokens_per_step"] == pytest.approx(2.0)
+    assert len(figures) == 3
+
+
+def test_views_escape_user_and_model_text():
+    run = storage.Run(id=1, mode="generate", method="tokenswift", model="m", status="failed", n_tokens=3,
+                      error="<img src=x onerror=alert(1)>", settings={"x": "<b>"})
+    html = views.run_status(run)
+    assert "<img" not in html and "&lt;img" in html
+    assert "<b>" not in views.run_summary(run)
+    state = storage.WorkerState(worker_id="w", state="failed", message="<script>bad</script>", model="m")
+    assert "<script>" not in views.worker_badge([state])
+    assert "No worker" in views.worker_badge([])
+
+
+def test_jobs_limits_drive_the_settings_panel(h):
+    panel = h.write_panel
+    assert panel.names[0] == "method" and set(panel.names) == set(jobs.DEFAULT_SETTINGS)
+    by_name = panel.by_name()
+    assert by_name["max_new_tokens"].maximum == jobs.LIMITS["max_new_tokens"][1]
+    assert by_name["temperature"].value == jobs.DEFAULT_SETTINGS["temperature"]
+    assert "method" not in h.compare_panel.names
+
+
+def test_a_long_run_is_read_incrementally_and_stays_small(h, db):
+    """20K steps: each poll reads only the new rows, and the charts stay at most MAX_POINTS points."""
+    import time
+
+    from app.charts import MAX_POINTS
+
+    view, cache = View(), LiveCache()
+    new_project(h, view)
+    generate(h, view)
+    worker = FakeWorker(db)
+    run = worker.claim()
+    polls = []
+    for batch in range(20):
+        worker.write(run.id, "word " * 200, batch * 1000, 1000)
+        t0 = time.perf_counter()
+        up = live.poll_write(db, view, cache)
+        polls.append(time.perf_counter() - t0)
+        assert up.figures is not None
+    assert cache.buckets.n_steps == 20_000 and cache.buckets.last_step == 19_999
+    assert all(len(t.x) <= MAX_POINTS for fig in up.figures for t in fig.data)
+    assert max(polls) < 2.0, polls  # bounded by the new rows, not the run's length
+    assert sum(len(f.to_json()) for f in up.figures) < 200_000
