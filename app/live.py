@@ -74,9 +74,12 @@ class WriteUpdate:
 
 
 def worker_html(db: storage.Database, zerogpu: bool = False) -> tuple[str, bool]:
-    """(header HTML, whether some worker is ready)."""
+    """(header HTML, whether some worker is ready). A "ready" row not refreshed for a minute is a dead worker's
+    (killed without a chance to say so): it counts as not ready, and the header says it is not responding."""
     states = storage.get_worker_states(db)
-    return views.worker_badge(states, zerogpu), zerogpu or any(s.state == "ready" for s in states)
+    now = views.utcnow()
+    ready = any(s.state == "ready" for s in views.responsive_workers(states, now, zerogpu))
+    return views.worker_badge(states, zerogpu, now=now), zerogpu or ready
 
 
 def _refresh_buckets(db: storage.Database, cache_buckets: StepBuckets | None, run_id: int) -> tuple[StepBuckets, int]:

@@ -618,15 +618,17 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop", interactive=False)
                             resume_btn = gr.Button("Resume", variant="primary", elem_id="resume", visible=False)
                         status_html = gr.HTML(elem_id="run-status", js_on_load=None)
-                        with gr.Accordion("Generation settings", open=False, elem_id="write-settings"):
-                            h.write_panel = settings_panel.build("write")
+                        # The text is what a writer came for: right under the buttons and the status line. The
+                        # settings wait, collapsed, below it (they are remembered per project).
                         chapter_text = gr.Textbox(label="Chapter text", lines=18, max_lines=36, interactive=True,
                                                   elem_id="chapter-text", elem_classes="chapter-text",
                                                   buttons=["copy"], autoscroll=True)
-                        with gr.Row(equal_height=True):
+                        with gr.Row(equal_height=True, elem_classes="counts-row"):
                             counts_html = gr.HTML(elem_id="counts", js_on_load=None)
                             save_btn = gr.Button("Save edits", size="sm", elem_id="save-chapter", interactive=False,
                                                  scale=0, min_width=120)
+                        with gr.Accordion("Generation settings", open=False, elem_id="write-settings"):
+                            h.write_panel = settings_panel.build("write")
                     with gr.Column(scale=2, min_width=340, elem_classes="charts"):
                         write_plots = _plots("write")
 

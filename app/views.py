@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 METHOD_LABELS = {"tokenswift": "TokenSwift", "ar": "Vanilla"}
@@ -20,6 +20,11 @@ ACTIVE = ("queued", "running")
 WORKER_STATES = {"ready": ("done", "Worker ready"), "compiling": ("running", "Compiling…"),
                  "loading model": ("running", "Loading model…"), "failed": ("failed", "Worker failed"),
                  "stopped": ("queued", "Worker stopped")}
+# A worker rewrites its state row at least every ~10 s while it lives (idle, loading or generating: app/worker.py).
+# A row older than this belongs to a worker that died without saying so (SIGKILL, out of memory, a lost machine).
+# "stopped" and "failed" are last words, not heartbeats: they never go stale.
+WORKER_STALE_S = 60.0
+FINAL_WORKER_STATES = ("stopped", "failed")
 
 
 def esc(text: Any) -> str:
@@ -49,10 +54,63 @@ def short(text: str, limit: int = 80) -> str:
 
 # -- worker ----------------------------------------------------------------------------------------------------------
 
-def worker_badge(states: Sequence[Any], zerogpu: bool = False) -> str:
-    """The header's worker line from ``get_worker_states`` rows."""
+def utcnow() -> datetime:
+    """Naive UTC, the convention of the database's timestamps (storage.models.utcnow)."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def worker_age_s(state: Any, now: datetime | None = None) -> float | None:
+    """Seconds since a worker last wrote its state row (None if unknown)."""
+    if state.updated_at is None:
+        return None
+    return ((now or utcnow()) - state.updated_at).total_seconds()
+
+
+def worker_is_stale(state: Any, now: datetime | None = None, stale_after_s: float = WORKER_STALE_S) -> bool:
+    """A live-looking state ("ready", "loading model", ...) that has not been refreshed for ``stale_after_s``."""
+    if state.state in FINAL_WORKER_STATES:
+        return False
+    age = worker_age_s(state, now)
+    return age is not None and age > stale_after_s
+
+
+def ago(seconds: float) -> str:
+    """A coarse age ("2 min ago", "3 h ago", "2 days ago"): it changes at most once a minute, so the page's poll
+    does not resend the header every second."""
+    minutes = max(1, int(seconds // 60))
+    if minutes < 60:
+        return f"{minutes} min ago"
+    hours = minutes // 60
+    if hours < 48:
+        return f"{hours} h ago"
+    return f"{hours // 24} days ago"
+
+
+def responsive_workers(states: Sequence[Any], now: datetime | None = None, zerogpu: bool = False) -> list[Any]:
+    """The rows of workers that are alive or ended cleanly (stale rows of dead workers left out). On ZeroGPU the
+    worker only acts inside requests, so its row is not refreshed while idle: nothing is stale there."""
+    if zerogpu:
+        return list(states)
+    now = now or utcnow()
+    return [s for s in states if not worker_is_stale(s, now)]
+
+
+def worker_badge(states: Sequence[Any], zerogpu: bool = False, now: datetime | None = None) -> str:
+    """The header's worker line from ``get_worker_states`` rows (``now``: naive UTC, for tests)."""
     note = ' <span class="muted">· ZeroGPU: a GPU is attached for each chunk of generation</span>' if zerogpu else ""
-    live = [s for s in states if s.state != "stopped"] or list(states)
+    now = now or utcnow()
+    fresh = responsive_workers(states, now, zerogpu)
+    live = [s for s in fresh if s.state != "stopped"]
+    stale = [] if zerogpu else [s for s in states if worker_is_stale(s, now)]
+    if not live and stale:
+        # Only dead workers claim to be busy: say so, instead of their last (stale) word.
+        last = max(stale, key=lambda s: s.updated_at)
+        detail = f"last seen {ago(worker_age_s(last, now) or 0)}"
+        if last.model:
+            detail = f"{model_name(last.model)} · {detail}"
+        return (f'<div class="worker-line">{badge("failed", "Worker not responding")} '
+                f'<span class="muted">{esc(detail)}; queued runs wait until it is restarted</span></div>')
+    live = live or fresh
     if not live and zerogpu:
         return f'<div class="worker-line">{badge("queued", "ZeroGPU")}{note}</div>'
     if not live:

@@ -12,6 +12,9 @@ What the UI sees (all through storage):
   heads for this model: …"), so the header line can show them without a separate channel.
 - run progress: text, token ids and step rows appended every FLUSH_S (0.5 s) in one short transaction, plus the
   first step at once; a heartbeat thread keeps the run's heartbeat fresh through long prefills.
+- liveness: the worker rewrites its state row at least every STATE_REFRESH_S while it lives (the idle loop, a
+  heartbeat thread while loading the model and while a run is generated), so a worker killed without a word
+  (SIGKILL, out of memory) is recognisable by its stale timestamp: the UI then says it is not responding.
 - run end: done / cancelled / failed with a readable message (the traceback goes to the log) / interrupted.
 
 Chunked runs (`time_budget_s`): when the budget is spent the output so far is flushed and the run stays "running"
@@ -28,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.5  # the UI polls about this often; each flush rewrites the run row, so never per token
 CANCEL_CHECK_S = 0.1  # a GPU step can take a few ms: polling the database each step would slow fast decoding
 HEARTBEAT_S = 5.0
+STATE_REFRESH_S = 10.0  # the worker-state row's timestamp is at most about this old while the worker lives
 STALE_AFTER_S = 60.0  # another worker's run without a heartbeat for this long is taken as abandoned
 SWEEP_S = 30.0
 DEFAULT_MODEL = "smollm2-135m"  # core.loading.DEFAULT_MODEL (not imported: importing core.loading loads torch)
@@ -220,7 +225,7 @@ class Worker:
                     log.warning("marked runs %s interrupted (their worker stopped sending heartbeats)", ids)
             except st.StorageError:
                 log.exception("stale-run sweep failed")
-        if now - self._last_state_write > 2 * HEARTBEAT_S:
+        if now - self._last_state_write > STATE_REFRESH_S:
             self._set_state("ready", self._message("Idle."), force=True)  # doubles as the idle heartbeat
 
     # -- state -------------------------------------------------------------------------------------------------
@@ -240,6 +245,19 @@ class Worker:
             except Exception:  # a locked or unreachable database must not stop the worker over a status line
                 log.exception("could not record worker state %r", state)
 
+    def _refresh_state(self) -> None:
+        """Rewrite the current state (same state and message, new timestamp) if it was last written more than
+        STATE_REFRESH_S ago: the liveness signal the UI reads. Called from heartbeat threads; never raises."""
+        with self._state_lock:
+            if time.monotonic() - self._last_state_write < STATE_REFRESH_S:
+                return
+            state, message = self.state
+            try:
+                st.set_worker_state(self.db, self.worker_id, state, message, model=self.model, pid=os.getpid())
+                self._last_state_write = time.monotonic()
+            except Exception:
+                log.warning("could not refresh the worker state", exc_info=True)
+
     # -- the engine ---------------------------------------------------------------------------------------------
 
     def ensure_engine(self) -> Engine:
@@ -254,7 +272,8 @@ class Worker:
                 raise RunFailed(self.load_error)
             self._set_state("loading model", f"Loading {self.model}…")
             try:
-                engine = self._load()
+                with _Ticker(self._refresh_state, HEARTBEAT_S, name="state-heartbeat"):  # loads can take minutes
+                    engine = self._load()
             except Exception as e:
                 self.load_error = f"Could not load model {self.model}: {describe_load_error(e)}"
                 log.exception("worker %s: %s", self.worker_id, self.load_error)
@@ -436,7 +455,7 @@ class Worker:
         paused = False
         steps = iter(gen)
         try:
-            with _Heartbeat(self.db, run.id):
+            with _Heartbeat(self.db, run.id, HEARTBEAT_S, on_beat=self._refresh_state):
                 for step in steps:
                     pending.text.append(step.text)
                     pending.ids.extend(step.token_ids)
@@ -536,28 +555,45 @@ class _CancelCheck:
             return False
 
 
-class _Heartbeat:
-    """A thread that keeps a run's heartbeat fresh while no flush does (long prefill, slow steps, compiling)."""
+class _Ticker:
+    """A daemon thread that calls ``beat`` every ``every_s`` seconds for the duration of a ``with`` block."""
 
-    def __init__(self, db: st.Database, run_id: int, every_s: float = HEARTBEAT_S):
-        self.db, self.run_id, self.every_s = db, run_id, every_s
+    def __init__(self, beat: Callable[[], None], every_s: float, name: str = "ticker"):
+        self.beat, self.every_s = beat, every_s
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{run_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def _beat(self) -> None:
+    def _run(self) -> None:
         while not self._done.wait(self.every_s):
-            try:
-                st.append_output(self.db, self.run_id)  # empty append = heartbeat
-            except st.StorageError:
-                return  # the run ended; the main loop finds out on its next flush
+            self.beat()
 
-    def __enter__(self) -> _Heartbeat:
+    def __enter__(self) -> _Ticker:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join()
+
+
+class _Heartbeat(_Ticker):
+    """A thread that keeps a run's heartbeat fresh while no flush does (long prefill, slow steps, compiling), and
+    (``on_beat``) the worker's state row fresh while it generates."""
+
+    def __init__(self, db: st.Database, run_id: int, every_s: float = HEARTBEAT_S,
+                 on_beat: Callable[[], None] | None = None):
+        super().__init__(self._beat_once, every_s, name=f"heartbeat-{run_id}")
+        self.db, self.run_id, self.on_beat = db, run_id, on_beat
+        self._run_alive = True
+
+    def _beat_once(self) -> None:
+        if self.on_beat is not None:
+            self.on_beat()
+        if self._run_alive:
+            try:
+                st.append_output(self.db, self.run_id)  # empty append = heartbeat
+            except st.StorageError:
+                self._run_alive = False  # the run ended; the main loop finds out on its next flush
 
 
 # -- command line -------------------------------------------------------------------------------------------------

@@ -2,102 +2,20 @@
 gradio_client the way a script would. Create a project, generate, watch text and metrics grow, stop, export; then
 restart the server on the same database and find the same text.
 
-`studio_server` is shared with the browser tests (tests/test_browser.py imports it).
+The server helpers (`studio_server`, `stop_server` and the module-scoped `server` fixture) are in tests/conftest.py,
+shared with the browser tests.
 """
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 180  # imports + migrations + loading the tiny model, on a busy 2-core machine
-
-
-@dataclass
-class StudioServer:
-    url: str
-    db_path: Path
-    log_path: Path
-    proc: subprocess.Popen
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_ready(db_path: Path) -> bool:
-    import storage
-
-    if not db_path.exists():
-        return False
-    with storage.open_database(db_path, migrate=False) as db:
-        try:
-            return any(s.state == "ready" for s in storage.get_worker_states(db))
-        except Exception:  # tables not created yet
-            return False
-
-
-@contextmanager
-def studio_server(folder: Path, model_dir: Path, *, db_path: Path | None = None, port: int | None = None,
-                  args: tuple[str, ...] = ()) -> Iterator[StudioServer]:
-    """Run `python app.py` (on a free port unless given) until the page answers and the worker is ready; stop it
-    (SIGTERM) after."""
-    port = port or free_port()
-    db_path = db_path or folder / "studio.db"
-    log_path = folder / f"server-{port}.log"
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "TOKENSWIFT_DB": str(db_path),
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("GRADIO_SERVER_PORT", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--model", str(model_dir),
-                                 "--heads", "none", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = StudioServer(f"http://127.0.0.1:{port}/", db_path, log_path, proc)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"app.py exited with {proc.returncode}:\n{server.log()}")
-            try:
-                with urllib.request.urlopen(server.url, timeout=5) as r:
-                    if r.status == 200 and _worker_ready(db_path):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"app.py did not become ready in {START_TIMEOUT_S} s:\n{server.log()}")
-            time.sleep(0.5)
-        yield server
-    finally:
-        stop_server(server)
-
-
-def stop_server(server: StudioServer, timeout: float = 40) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)  # graceful: the worker saves its run as interrupted
-        try:
-            server.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(10)
+from conftest import stop_server, studio_server
 
 
 def wait_for(fn: Callable[[], Any], timeout: float = 90, every: float = 0.5, what: str = "condition") -> Any:
@@ -126,12 +44,6 @@ def plot_points(plot: Any) -> int:
         data = json.loads(data)
     traces = (data or {}).get("data") or []
     return len(traces[0].get("x") or []) if traces else 0
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir) -> Iterator[StudioServer]:
-    with studio_server(tmp_path_factory.mktemp("api"), tiny_model_dir) as s:
-        yield s
 
 
 # Refresh outputs, in order (see app/ui.py WRITE_POLL_OUTPUTS).

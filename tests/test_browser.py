@@ -18,7 +18,7 @@ import pytest
 
 expect = pytest.importorskip("playwright.sync_api").expect
 
-from tests.test_app_api import StudioServer, stop_server, studio_server
+from conftest import stop_server, studio_server
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,12 +42,6 @@ def browser() -> Iterator:
                                                                "--disable-background-networking"])
         yield b
         b.close()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir) -> Iterator[StudioServer]:
-    with studio_server(tmp_path_factory.mktemp("browser"), tiny_model_dir) as s:
-        yield s
 
 
 @pytest.fixture
@@ -99,6 +93,26 @@ def open_accordion(page, elem_id: str, label: str) -> None:
     page.locator(f"#{elem_id}").get_by_text(label, exact=True).first.click()
 
 
+def box(page, selector: str) -> dict:
+    b = page.locator(selector).first.bounding_box()
+    assert b is not None, f"{selector} is not laid out"
+    return b
+
+
+def check_write_layout(page) -> None:
+    """The Write tab reads top to bottom: instructions, buttons, status, the chapter text (with its counts and Save
+    edits), then the generation settings, collapsed; the live charts sit beside the text."""
+    expect(page.locator("#write-max_new_tokens")).to_be_hidden()  # settings collapsed by default
+    order = ["#instructions", "#generate", "#run-status", "#chapter-text", "#counts", "#write-settings"]
+    tops = [box(page, sel)["y"] for sel in order]
+    assert tops == sorted(tops), dict(zip(order, tops))
+    text, chart = box(page, "#chapter-text"), box(page, "#write-accepted")
+    assert chart["x"] >= text["x"] + text["width"] - 1  # to the right of the text…
+    assert chart["y"] < text["y"] + text["height"]  # …and beside it, not below it
+    save = box(page, "#save-chapter")
+    assert text["y"] + text["height"] <= save["y"] < tops[-1]  # Save edits between the text and the settings
+
+
 def test_write_generate_stop_reload(page, server):
     shot(page, "01-start")
     # A fresh database: the new-project form is open.
@@ -112,6 +126,7 @@ def test_write_generate_stop_reload(page, server):
     premise.fill("A keeper on a remote island finds letters from a <b>stranger</b>. Storms, secrets, the sea.")
     page.locator("#instructions textarea").fill("The first letter arrives.")
 
+    check_write_layout(page)
     open_accordion(page, "write-settings", "Generation settings")
     page.locator("#write-max_new_tokens input").fill("3000")
     page.locator("#write-ignore_eos input[type=checkbox]").check()

@@ -2,6 +2,8 @@
 the way app/worker.py does, and the tests check what each session's page would be sent."""
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 import gradio as gr
 import pytest
 
@@ -260,6 +262,71 @@ def test_views_escape_user_and_model_text():
     state = storage.WorkerState(worker_id="w", state="failed", message="<script>bad</script>", model="m")
     assert "<script>" not in views.worker_badge([state])
     assert "No worker" in views.worker_badge([])
+
+
+def backdate_worker(db, worker_id: str, seconds: float) -> None:
+    """Make a worker's state row look ``seconds`` old (as if the worker had been killed then)."""
+    import sqlalchemy as sa
+
+    from storage.models import utcnow
+
+    with db.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE worker_states SET updated_at = :t WHERE worker_id = :w"),
+                     {"t": utcnow() - timedelta(seconds=seconds), "w": worker_id})
+
+
+def test_a_killed_worker_shows_as_not_responding(h, db):
+    """A worker killed with SIGKILL leaves its row "ready"; once the row is a minute old the header says the worker
+    is not responding (and when it was last seen), and queued runs say they wait for a worker."""
+    view, cache = View(), LiveCache()
+    new_project(h, view)
+    generate(h, view)
+    storage.set_worker_state(db, "dead", "ready", "Generating run 1.", model="/models/tiny-llama")
+    up = live.poll_write(db, view, cache)
+    assert "Worker ready" in up.worker_html and "waiting for the worker" not in up.status_html
+
+    backdate_worker(db, "dead", 30)  # a beat missed or two: still fine
+    assert "Worker ready" in live.worker_html(db)[0]
+
+    backdate_worker(db, "dead", 5 * 60 + 10)
+    up = live.poll_write(db, view, cache)
+    assert "not responding" in up.worker_html and "last seen 5 min ago" in up.worker_html
+    assert "tiny-llama" in up.worker_html and "Worker ready" not in up.worker_html
+    assert "badge-failed" in up.worker_html
+    assert "waiting for the worker" in up.status_html
+    assert live.poll_write(db, view, cache).worker_html is None  # the same minute: nothing resent
+
+    # Another worker that is alive: it is the one shown; the dead one's row is ignored.
+    storage.set_worker_state(db, "alive", "ready", "Idle.", model="tiny")
+    header, ready = live.worker_html(db)
+    assert ready and "Worker ready" in header and "not responding" not in header and "(2 workers)" not in header
+    # ZeroGPU's in-request worker is idle between requests without refreshing its row: never "not responding".
+    storage.set_worker_state(db, "alive", "stopped", "Stopped.")
+    assert "not responding" in live.worker_html(db)[0]
+    header, ready = live.worker_html(db, zerogpu=True)
+    assert ready and "not responding" not in header
+
+
+def test_worker_badge_staleness_rules():
+    now = datetime(2025, 1, 1, 12, 0, 0)
+
+    def state(name: str, age_s: float | None, **kw):
+        updated = None if age_s is None else now - timedelta(seconds=age_s)
+        return storage.WorkerState(worker_id=kw.pop("wid", "w"), state=name, message=kw.pop("message", ""),
+                                   model=kw.pop("model", None), updated_at=updated)
+
+    assert "Worker ready" in views.worker_badge([state("ready", 59)], now=now)
+    assert "Loading model" in views.worker_badge([state("loading model", 30)], now=now)
+    stale = views.worker_badge([state("loading model", 3 * 3600)], now=now)
+    assert "Worker not responding" in stale and "last seen 3 h ago" in stale
+    # Last words never go stale: a failed worker keeps its reason, a stopped one says it stopped.
+    failed = views.worker_badge([state("failed", 86400, message="Could not load model x")], now=now)
+    assert "Worker failed" in failed and "Could not load model x" in failed
+    assert "Worker stopped" in views.worker_badge([state("stopped", 86400)], now=now)
+    assert "Worker ready" in views.worker_badge([state("ready", None)], now=now)  # no timestamp: not judged
+    assert "Worker ready" in views.worker_badge([state("ready", -5)], now=now)  # clock skew: not stale
+    assert views.ago(61) == "1 min ago" and views.ago(59 * 60) == "59 min ago" and views.ago(3 * 86400) == "3 days ago"
+    assert "&lt;x&gt;" in views.worker_badge([state("ready", 600, model="<x>")], now=now)
 
 
 def test_jobs_limits_drive_the_settings_panel(h):

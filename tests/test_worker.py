@@ -128,6 +128,54 @@ def test_flushes_are_batched(db, book, tiny_engine, monkeypatch):
     assert 2 <= len(calls) <= 300 / 4, calls  # then in batches, never per token
 
 
+def test_state_row_stays_fresh_during_a_run(db, book, tiny_engine, monkeypatch):
+    """While a run is generated the worker keeps rewriting its state row (same state, new timestamp): a worker
+    killed mid-run is then recognisable by a stale row (the UI says "not responding")."""
+    import app.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(worker_module, "STATE_REFRESH_S", 0.1)
+    seen = []  # (state, message, updated_at) of the row, read while the run writes
+    real = st.append_output
+
+    def slow_append(db_, run_id, *a, **k):
+        out = real(db_, run_id, *a, **k)
+        if a:  # a flush of the main loop (the heartbeat thread appends nothing)
+            row = {s.worker_id: s for s in st.get_worker_states(db_)}["w1"]
+            seen.append((row.state, row.message, row.updated_at))
+            time.sleep(0.03)  # a slow model: the run lasts about two seconds
+        return out
+
+    monkeypatch.setattr(st, "append_output", slow_append)
+    run = queue_chapter_run(db, book[1].id, "generate", {"max_new_tokens": 60, "method": "ar", "ignore_eos": True},
+                            model=tiny_engine.loaded.name)
+    w = worker(db, tiny_engine, flush_s=0.0)
+    assert drain(w) == 1
+    assert st.get_run(db, run.id).status == "done"
+    assert len(seen) >= 30
+    assert all(state == "ready" and f"Generating run {run.id}" in message for state, message, _ in seen)
+    stamps = [t for _, _, t in seen]
+    assert stamps == sorted(stamps) and len(set(stamps)) >= 5, stamps  # refreshed again and again mid-run
+    assert (stamps[-1] - stamps[0]).total_seconds() >= 1.0
+
+
+def test_state_row_stays_fresh_while_the_model_loads(db, tiny_engine, monkeypatch):
+    import app.worker as worker_module
+    from core.engine import Engine
+
+    monkeypatch.setattr(worker_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(worker_module, "STATE_REFRESH_S", 0.1)
+    writes = []
+    real = st.set_worker_state
+    monkeypatch.setattr(st, "set_worker_state", lambda db_, wid, state, message="", **kw: (
+        writes.append(state), real(db_, wid, state, message, **kw))[1])
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: (time.sleep(0.8), tiny_engine)[1]))
+    w = Worker(db, model=tiny_engine.loaded.name, heads=None, worker_id="slow-load")
+    assert w.ensure_engine() is tiny_engine
+    assert writes[0] == "loading model" and writes[-1] == "ready"
+    assert writes.count("loading model") >= 3  # refreshed during the slow load
+
+
 def test_comparison_runs_match(db, tiny_engine):
     comparison = queue_comparison(db, "Tell me about the sea.", {"max_new_tokens": 40, "seed": 3},
                                   model=tiny_engine.loaded.name)
