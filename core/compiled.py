@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core.heads import DraftHeads
 from core.kv_cache import KVCache, PartialKVCache
 from core.model import Transformer, attention, rotate
 
-SIZES = (1, 4, 8, 12, 16, 24, 32)
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 # The cache and mask of the forward in progress. The graph cannot take them as inputs (a Python object, and a tensor
 # whose shape changes every step), so the attention op reads them here. One forward runs at a time per process.
@@ -41,8 +42,10 @@ def _(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
     return q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
 
 
-def dense_forward(model: Transformer, tokens: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """The decoder with attention delegated to the custom op; returns (logits of all rows, hidden states)."""
+def dense_forward(model: Transformer, heads: DraftHeads | None, tokens: Tensor, cos: Tensor,
+                  sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The decoder with attention delegated to the custom op; returns the logits of all rows, the hidden states and
+    the drafting heads' logits of all rows (None without heads)."""
     cfg = model.cfg
     n = tokens.shape[0]
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -55,7 +58,7 @@ def dense_forward(model: Transformer, tokens: Tensor, cos: Tensor, sin: Tensor) 
         x = x + block.wo(cached_attention(q, k, v, i))
         gate, up = block.w_gate_up(block.mlp_norm(x)).chunk(2, dim=-1)
         x = x + block.w_down(F.silu(gate) * up)
-    return model.logits(x), x
+    return model.logits(x), x, (heads.logits(x, model) if heads is not None else None)
 
 
 def configure_inductor() -> None:
@@ -65,16 +68,18 @@ def configure_inductor() -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True  # weights become constants: prepacked for inductor's own GEMMs
-    inductor_config.fx_graph_cache = True
+    inductor_config.fx_graph_cache = True  # (graphs with mkldnn-packed weights are rebuilt each start, ~18 s)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(SIZES))
 
 
 class CompiledRunner:
-    def __init__(self, model: Transformer, sizes: tuple[int, ...] = SIZES, mode: str = "max-autotune"):
+    def __init__(self, model: Transformer, heads: DraftHeads | None = None, sizes: tuple[int, ...] = SIZES,
+                 mode: str = "max-autotune"):
         configure_inductor()
         self.model = model
+        self.heads = heads
         self.sizes = sizes
-        self._fn = torch.compile(lambda t, c, s: dense_forward(model, t, c, s), mode=mode, fullgraph=True,
+        self._fn = torch.compile(lambda t, c, s: dense_forward(model, heads, t, c, s), mode=mode, fullgraph=True,
                                  dynamic=False)
         self.ready: set[int] = set()  # sizes whose graphs are compiled
 
@@ -95,12 +100,13 @@ class CompiledRunner:
         return time.perf_counter() - t0
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
-                block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:
+                block_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Logits, hidden states and heads' logits of all rows; None if no graph of a fitting size is ready (the
+        caller runs eagerly: a generation never stalls on a compilation)."""
         n = tokens.shape[0]
         size = self.bucket(n)
         if size is None or size not in self.ready:
-            # Not warmed up (e.g. a prefill chunk): never stall a generation on a compilation.
-            return self.model(tokens, positions, cache, block_mask, logits_rows)
+            return None
         pad = size - n
         if pad:
             # Padding rows: token 0 at the last real position, seeing only themselves.
@@ -115,9 +121,8 @@ class CompiledRunner:
         cos, sin = self.model.rope(positions)
         _ACTIVE["cache"], _ACTIVE["mask"] = cache, mask
         try:
-            logits, hidden = self._fn(tokens, cos, sin)
+            logits, hidden, head_logits = self._fn(tokens, cos, sin)
         finally:
             _ACTIVE.clear()
         cache.n_new = n  # padding rows were written past the real ones; commit() must not keep them
-        logits, hidden = logits[:n], hidden[:n]
-        return (logits if logits_rows is None else logits[logits_rows]), hidden
+        return logits[:n], hidden[:n], (head_logits[:, :n] if head_logits is not None else None)

@@ -76,9 +76,23 @@ class Engine:
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
                 block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:
-        if self.runner is not None:
-            return self.runner.forward(tokens, positions, cache, block_mask, logits_rows)
+        """Logits (of `logits_rows`, default all) and hidden states of new tokens; see Transformer.forward."""
+        if self.runner is not None and logits_rows is None:
+            out = self.runner.forward(tokens, positions, cache, block_mask)
+            if out is not None:
+                return out[0], out[1]
         return self.model(tokens, positions, cache, block_mask, logits_rows)
+
+    def forward_with_heads(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
+                           block_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Like `forward` (all rows), plus the drafting heads' logits [n_heads, n, V'] of every row (None without
+        heads): in the compiled graph they cost one small matrix product more, not another pass."""
+        if self.runner is not None:
+            out = self.runner.forward(tokens, positions, cache, block_mask)
+            if out is not None:
+                return out
+        logits, hidden = self.model(tokens, positions, cache, block_mask)
+        return logits, hidden, (self.heads.logits(hidden, self.model) if self.heads is not None else None)
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig, cancel: Callable[[], bool] | None = None,
                  resume_ids: list[int] = ()) -> Generation:  # type: ignore[assignment]

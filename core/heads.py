@@ -68,16 +68,20 @@ class DraftHeads(nn.Module):
         return self._lm_rows
 
     def logits(self, h0: Tensor, model: Transformer) -> Tensor:
-        """[n_heads, n, V'] logits over the heads' vocabulary (fp32)."""
-        w = self.lm_weight(model)
-        return torch.stack([s @ w.T for s in self.states(h0)]).float()
+        """[n_heads, n, V'] logits over the heads' vocabulary (fp32), for hidden states h0 [n, hidden]."""
+        n = h0.shape[0]
+        # one matrix product for all heads: the lm_head rows are read once
+        states = torch.cat(self.states(h0))
+        return torch.nn.functional.linear(states, self.lm_weight(model)).float().view(self.n_heads, n, -1)
+
+    def candidates(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Top-k token ids and probabilities per head from one position's logits [n_heads, V']: [n_heads, k] each."""
+        p, idx = logits.float().softmax(-1).topk(k, dim=-1)
+        return (self.vocab[idx] if self.vocab.numel() else idx), p
 
     def topk(self, h0: Tensor, model: Transformer, k: int) -> tuple[Tensor, Tensor]:
-        """Top-k token ids and probabilities per head for one hidden state [hidden]: two [n_heads, k] tensors."""
-        probs = self.logits(h0[None], model)[:, 0].softmax(-1)
-        p, idx = probs.topk(k, dim=-1)
-        ids = self.vocab[idx] if self.vocab.numel() else idx
-        return ids, p
+        """Top-k token ids and probabilities per head for one hidden state [hidden]."""
+        return self.candidates(self.logits(h0[None], model)[:, 0], k)
 
 
 def model_fingerprint(model: Transformer) -> str:

@@ -59,11 +59,12 @@ class TokenSwiftOptions:
         return self
 
 
-def draft_tree(engine: "Engine", root: int, h: Tensor | None, backbone: Tensor | None, table: NGramTable) -> Tree:
+def draft_tree(engine: "Engine", root: int, head_logits: Tensor | None, backbone: Tensor | None,
+               table: NGramTable) -> Tree:
     """Merge the heads' and the n-gram table's proposals below `root` into one budgeted trie.
 
-    `h` is the hidden state whose heads predict the tokens after the root (None without heads); `backbone` the
-    draft pass's next-token logits for the token after the root (separate mode only).
+    `head_logits` [n_heads, V'] are the heads' predictions of the tokens after the root (None without heads);
+    `backbone` the draft pass's next-token logits for the token after the root (separate mode only).
     """
     opt = engine.options
     builder = TreeBuilder(root)
@@ -71,8 +72,8 @@ def draft_tree(engine: "Engine", root: int, h: Tensor | None, backbone: Tensor |
     if backbone is not None:
         p, ids = backbone.float().softmax(-1).topk(opt.backbone_topk)
         candidates.append(list(zip(ids.tolist(), p.tolist())))
-    if engine.heads is not None and h is not None:
-        ids, p = engine.heads.topk(h, engine.model, opt.head_topk)
+    if engine.heads is not None and head_logits is not None:
+        ids, p = engine.heads.candidates(head_logits, opt.head_topk)
         candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
     builder.add_product(candidates, HEADS)
     # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
@@ -92,6 +93,8 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
     device = engine.device
     cache = gen.new_cache()
     logits, h = gen.prefill(cache)
+    # the heads' predictions of the tokens after the next root, from the last position the model has processed
+    head_logits = engine.heads.logits(h[None], engine.model)[:, 0] if engine.heads is not None else None
     table = NGramTable(opt.ngram_n)
     table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
     partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
@@ -107,13 +110,14 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
         root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
         backbone = None
         if partial is not None:
-            draft_logits, draft_h = engine.forward(torch.tensor([root], device=device),
-                                                   torch.tensor([root_pos], device=device), partial)
+            draft_logits, _, draft_heads = engine.forward_with_heads(
+                torch.tensor([root], device=device), torch.tensor([root_pos], device=device), partial)
             partial.commit()
-            backbone, h = draft_logits[0], draft_h[0]
-        tree = draft_tree(engine, root, h, backbone, table)
-        logits, hidden = engine.forward(torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device),
-                                        cache, tree.mask(device))
+            # the backbone drafts the token after the root; the heads, read at the root, the ones after that
+            backbone, head_logits = draft_logits[0], None if draft_heads is None else draft_heads[:, 0]
+        tree = draft_tree(engine, root, head_logits, backbone, table)
+        logits, _, tree_heads = engine.forward_with_heads(
+            torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
         node, path, accepted_nodes = 0, [], []
         while True:
             token = gen.draw(logits[node], path)
@@ -124,7 +128,8 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
             path.append(token)
             accepted_nodes.append(node)
         cache.keep([0] + accepted_nodes)
-        h = hidden[node]
+        if tree_heads is not None:  # fused mode drafts the next step from the last accepted node
+            head_logits = tree_heads[:, node]
         from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)
         step = gen.emit(path + [token], time.perf_counter() - t0, accepted=len(path), from_ngram=from_ngram,
                         from_heads=len(path) - from_ngram, tree_size=len(tree))

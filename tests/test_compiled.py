@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from core.compiled import CompiledRunner
+from core.heads import DraftHeads
 from core.decoding import GenerationConfig
 from core.engine import Engine
 from core.loading import load_model
@@ -18,29 +19,38 @@ from conftest import make_tiny_checkpoint
 def test_compiled_graphs_match_eager(tmp_path: Path) -> None:
     loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu")
     model = loaded.model
-    runner = CompiledRunner(model, sizes=(1, 8))
+    heads = DraftHeads.initial(model)
+    torch.nn.init.normal_(heads.proj[0].weight, std=0.05)
+    runner = CompiledRunner(model, heads, sizes=(1, 8))
     runner.warm_up()
     prefix = torch.randint(512, (20,), generator=torch.Generator().manual_seed(0))
     b = TreeBuilder(root=3)
     b.add([5, 6, 7], [0.9, 0.8, 0.7], 1)
     b.add([5, 9], [0.9, 0.6], 1)
-    tree = b.build(8)  # 6 nodes: padded to the 8-token graph
+    tree = b.build(8)  # 5 nodes: padded to the 8-token graph
+    def eager(tokens, positions, cache, mask=None):
+        logits, hidden = model(tokens, positions, cache, mask)
+        return logits, hidden, heads.logits(hidden, model)
+
     with torch.inference_mode():
+        assert runner.forward(prefix, torch.arange(20), model.new_cache(64)) is None  # no 20-token graph
         results = []
-        for fwd in (model, runner.forward):
+        for fwd in (eager, runner.forward):
             cache = model.new_cache(64)
-            fwd(prefix, torch.arange(20), cache)  # prefill: eager in both (no graph of that size)
+            model(prefix, torch.arange(20), cache)
             cache.commit()
-            one, _ = fwd(torch.tensor([3]), torch.tensor([20]), cache)
+            one = fwd(torch.tensor([3]), torch.tensor([20]), cache)
             cache.rollback()
-            block, hidden = fwd(torch.tensor(tree.tokens), tree.positions(20), cache, tree.mask())
+            block = fwd(torch.tensor(tree.tokens), tree.positions(20), cache, tree.mask())
             cache.keep([0, 1, 2])
-            nxt, _ = fwd(torch.tensor([11]), torch.tensor([23]), cache)
-            results.append((one, block, hidden, nxt, cache.length))
-    (a1, ab, ah, an, al), (c1, cb, ch, cn, cl) = results
-    assert cb.shape == ab.shape and ch.shape == ah.shape and al == cl == 23
+            nxt = fwd(torch.tensor([11]), torch.tensor([23]), cache)
+            results.append((one, block, nxt, cache.length))
+    (a1, ab, an, al), (c1, cb, cn, cl) = results
+    n = len(tree)
+    assert al == cl == 23 and cb[0].shape == ab[0].shape == (n, 512) and cb[2].shape == ab[2].shape == (3, n, 512)
     for x, y in [(a1, c1), (ab, cb), (an, cn)]:
-        assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
+        for u, v in zip(x, y):
+            assert torch.allclose(u, v, atol=1e-4, rtol=1e-4)
 
 
 def test_compiled_engine_is_lossless(tmp_path: Path) -> None:
