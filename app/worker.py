@@ -129,7 +129,7 @@ class Worker:
     """Runs queued generation runs on one engine; see the module docstring."""
 
     def __init__(self, db: st.Database, model: str | None = None, heads: str | Path | None = "default",
-                 device: str | None = None, compile: bool = False, worker_id: str | None = None,
+                 device: str | None = None, compile: bool | None = False, worker_id: str | None = None,
                  poll_s: float = 0.5, *, engine: Engine | None = None, flush_s: float = FLUSH_S,
                  stale_after_s: float = STALE_AFTER_S):
         self.db = db
@@ -287,8 +287,13 @@ class Worker:
         from core.engine import Engine
         from core.tokenswift import warn_once
 
-        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=self.compile)
-        if self.compile:
+        compile = self.compile
+        if compile is None:  # auto: compiled graphs double a CPU's speed; on a GPU eager mode is the tested path
+            import torch
+
+            compile = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=compile)
+        if compile:
             # Compile now, under the "compiling" state, rather than inside the first user's run (compiled graphs
             # that were not warmed up are skipped, so without this compiling would not take effect at all).
             self._set_state("compiling", "Compiling the model's graphs (minutes the first time)…")
@@ -607,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", default="default",
                    help="drafting heads: 'default' (committed heads of a known model), 'none', or a file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--compile", action="store_true", help="run the model through compiled fixed-size graphs")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the model through compiled fixed-size graphs (default: on for a CPU)")
     p.add_argument("--worker-id", default=None, help="stable id: a restarted worker with the same id flags the "
                                                      "runs it was killed with as interrupted (default: host:pid)")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between queue polls when idle")

@@ -79,6 +79,8 @@ class CompiledRunner:
         self.model = model
         self.heads = heads
         self.sizes = sizes
+        if heads is not None:
+            heads.lm_weight(model)  # build the heads' lm_head rows now: built inside a trace, they'd force a recompile
         self._fn = torch.compile(lambda t, c, s: dense_forward(model, heads, t, c, s), mode=mode, fullgraph=True,
                                  dynamic=False)
         self.ready: set[int] = set()  # sizes whose graphs are compiled
@@ -104,8 +106,9 @@ class CompiledRunner:
         """Logits, hidden states and heads' logits of all rows; None if no graph of a fitting size is ready (the
         caller runs eagerly: a generation never stalls on a compilation)."""
         n = tokens.shape[0]
-        size = self.bucket(n)
-        if size is None or size not in self.ready:
+        # the smallest compiled graph that fits: padding a few rows costs less than running eagerly
+        size = next((s for s in sorted(self.ready) if s >= n), None)
+        if size is None:
             return None
         pad = size - n
         if pad:

@@ -7,6 +7,7 @@ TokenSwift decoding on it. The forward runs eagerly, or through fixed-size compi
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -18,7 +19,7 @@ from core.heads import DraftHeads, HeadsError, load_heads
 from core.kv_cache import KVCache, PartialKVCache
 from core.loading import LoadedModel, load_model
 from core.model import Transformer
-from core.tokenswift import TokenSwiftOptions, tokenswift_steps
+from core.tokenswift import TokenSwiftOptions, default_tree_budget, tokenswift_steps
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,10 @@ class Engine:
         self.model: Transformer = loaded.model
         self.tokenizer = loaded.tokenizer
         self.heads = heads
-        self.options = options or TokenSwiftOptions()
+        options = options or TokenSwiftOptions()
+        if options.tree_budget is None:
+            options = replace(options, tree_budget=default_tree_budget(self.model.device, compile))
+        self.options = options
         self.runner = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
         if compile:

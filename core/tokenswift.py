@@ -38,7 +38,7 @@ GAMMA = 4  # draft depth the paper's acceptance rate is normalised by
 @dataclass(frozen=True)
 class TokenSwiftOptions:
     draft_mode: str = "fused"
-    tree_budget: int = 12  # tree nodes (root included) verified per step
+    tree_budget: int | None = None  # tree nodes (root included) verified per step; None: the device's default
     head_topk: int = 3  # candidates per head
     backbone_topk: int = 1  # depth-1 candidates from the draft pass (separate mode)
     ngram_n: int = 4
@@ -50,13 +50,25 @@ class TokenSwiftOptions:
     def validate(self) -> "TokenSwiftOptions":
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {self.draft_mode!r}")
-        if not 1 <= self.tree_budget <= 256:
+        if self.tree_budget is not None and not 1 <= self.tree_budget <= 256:
             raise ValueError(f"tree budget must be between 1 and 256 nodes, got {self.tree_budget}")
         if self.kv_budget <= PartialKVCache.SINKS + 1:
             raise ValueError(f"partial KV budget must exceed {PartialKVCache.SINKS + 1}, got {self.kv_budget}")
         if self.ngram_n < 2 or self.ngram_topk < 0 or self.head_topk < 1 or self.ngram_lag < 0:
             raise ValueError("n-gram size must be >= 2, top-k values >= 0 (head top-k >= 1), lag >= 0")
         return self
+
+
+def default_tree_budget(device: torch.device, compiled: bool) -> int:
+    """The tree size that gave the most tokens/s where it was measured (README, Performance).
+
+    On a CPU every extra verified token costs: compiled, 2 tokens cost ~1.15x one and 4 ~1.4x, and with ~1.2 tokens
+    accepted per step the smallest tree wins; eagerly a forward costs more per call, so a few more drafts pay. On a
+    GPU verifying tens of tokens costs about one step, so a larger tree is nearly free (not measured here: no GPU).
+    """
+    if device.type == "cuda":
+        return 16
+    return 2 if compiled else 4
 
 
 def draft_tree(engine: "Engine", root: int, head_logits: Tensor | None, backbone: Tensor | None,

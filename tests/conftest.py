@@ -110,7 +110,7 @@ def studio_server(folder: Path, model_dir: Path, *, db_path: Path | None = None,
     env.pop("GRADIO_SERVER_PORT", None)
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--model", str(model_dir),
-                                 "--heads", "none", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--heads", "none", "--no-compile", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = StudioServer(f"http://127.0.0.1:{port}/", db_path, log_path, proc)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

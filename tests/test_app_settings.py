@@ -27,7 +27,7 @@ def load_entry():
 def test_defaults():
     s = load_entry().parse_settings([], env={})
     assert (s.port, s.db, s.model, s.heads, s.worker, s.compile, s.host) == (
-        7860, None, "smollm2-135m", "default", True, False, None)
+        7860, None, "smollm2-135m", "default", True, None, None)
 
 
 def test_environment_then_command_line():
@@ -36,6 +36,8 @@ def test_environment_then_command_line():
            "TOKENSWIFT_HEADS": "none", "GRADIO_SERVER_NAME": "0.0.0.0"}
     s = entry.parse_settings([], env=env)
     assert (s.port, s.db, s.model, s.heads, s.host) == (9001, "/tmp/x.db", "env-model", None, "0.0.0.0")
+    assert entry.parse_settings([], env={"TOKENSWIFT_COMPILE": "0"}).compile is False
+    assert entry.parse_settings(["--no-compile"], env={"TOKENSWIFT_COMPILE": "1"}).compile is False
     s = entry.parse_settings(["--port", "7000", "--db", "cli.db", "--model", "cli-model", "--heads", "h.pt",
                               "--no-worker", "--compile"], env=env)
     assert (s.port, s.db, s.model, s.heads, s.worker, s.compile) == (7000, "cli.db", "cli-model", "h.pt", False, True)

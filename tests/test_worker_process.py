@@ -32,7 +32,7 @@ def tiny_engine(tiny_model_dir):
 
 def start_worker(db_path: Path, model: str, worker_id: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "app.worker", "--db", str(db_path), "--model", model, "--heads", "none",
+    cmd = [sys.executable, "-m", "app.worker", "--db", str(db_path), "--model", model, "--heads", "none", "--no-compile",
            "--device", "cpu", "--worker-id", worker_id, "--threads", "1", "--poll-s", "0.1", "--log-level", "INFO"]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
