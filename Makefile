@@ -47,3 +47,5 @@ bench-gpu:
 	mkdir -p artifacts
 	python3 -m core bench --device cuda --lengths 512,2048 --n-prompts 3 --repeats 1 \
 	  --methods hf,ar,tokenswift,tokenswift-separate --sampling studio --json artifacts/gpu-bench.json
+	python3 -m core cost-curve --device cuda --contexts 1024,4096,7000 --sizes 1,2,4,8,16,32,64 \
+	  --json artifacts/gpu-cost-curve.json

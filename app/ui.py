@@ -541,6 +541,16 @@ def _plots(prefix: str) -> list[gr.Plot]:
             for name in ("accepted", "throughput", "repetition")]
 
 
+def confirm_box(action: str, elem_id: str) -> tuple[gr.Group, gr.HTML, gr.Button, gr.Button]:
+    """A hidden confirmation box for a destructive action: the group, its message, the confirm and cancel buttons."""
+    with gr.Group(visible=False, elem_classes="confirm-box") as box:
+        message = gr.HTML(js_on_load=None)
+        with gr.Row(elem_classes="tight-row"):
+            yes = gr.Button(action, variant="stop", size="sm", elem_id=elem_id)
+            no = gr.Button("Cancel", size="sm")
+    return box, message, yes, no
+
+
 def build_ui(ctx: StudioContext) -> gr.Blocks:
     """Build the Blocks app (launch it with ``**launch_kwargs()``)."""
     h = Handlers(ctx)
@@ -576,24 +586,15 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                 up_btn = gr.Button("↑", size="sm", elem_id="chapter-up", min_width=36)
                 down_btn = gr.Button("↓", size="sm", elem_id="chapter-down", min_width=36)
                 del_ch_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="delete-chapter", min_width=60)
-            with gr.Group(visible=False, elem_classes="confirm-box") as del_ch_confirm:
-                del_ch_msg = gr.HTML(js_on_load=None)
-                with gr.Row(elem_classes="tight-row"):
-                    del_ch_yes = gr.Button("Delete chapter", variant="stop", size="sm",
-                                           elem_id="confirm-delete-chapter")
-                    del_ch_no = gr.Button("Cancel", size="sm")
+            del_ch_confirm, del_ch_msg, del_ch_yes, del_ch_no = confirm_box("Delete chapter", "confirm-delete-chapter")
             with gr.Accordion("Project settings", open=False, elem_id="project-settings"):
                 proj_title = gr.Textbox(label="Title", max_length=200, elem_id="project-title")
                 proj_kind = gr.Radio(KIND_CHOICES, label="Kind", value="novel")
                 with gr.Row(elem_classes="tight-row"):
                     save_proj_btn = gr.Button("Save", size="sm", elem_id="save-project")
                     del_proj_btn = gr.Button("Delete project", size="sm", variant="stop", elem_id="delete-project")
-                with gr.Group(visible=False, elem_classes="confirm-box") as del_proj_confirm:
-                    del_proj_msg = gr.HTML(js_on_load=None)
-                    with gr.Row(elem_classes="tight-row"):
-                        del_proj_yes = gr.Button("Delete project", variant="stop", size="sm",
-                                                 elem_id="confirm-delete-project")
-                        del_proj_no = gr.Button("Cancel", size="sm")
+                del_proj_confirm, del_proj_msg, del_proj_yes, del_proj_no = confirm_box("Delete project",
+                                                                                         "confirm-delete-project")
 
         with gr.Tabs(elem_id="tabs"):
             # -- Write --

@@ -48,6 +48,15 @@ def make_tiny_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **ove
     return folder
 
 
+@pytest.fixture
+def db(tmp_path: Path):
+    """A fresh SQLite database file, migrated to the head schema."""
+    import storage
+
+    with storage.open_database(tmp_path / "studio.db") as database:
+        yield database
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint folder (a valid model spec)."""

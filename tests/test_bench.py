@@ -43,3 +43,22 @@ def test_lengths_beyond_the_context_are_refused(tiny_model_dir: Path, capsys) ->
 def test_unknown_method_is_refused(tiny_model_dir: Path, capsys) -> None:
     assert main(["bench", "--model", str(tiny_model_dir), "--methods", "ar,medusa"]) == 2
     assert "unknown method(s) medusa" in capsys.readouterr().err
+
+
+def test_cost_curve_times_eager_and_compiled_forwards(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "c.json"
+    rc = main(["cost-curve", "--model", str(tiny_model_dir), "--compile", "--contexts", "40,100", "--sizes", "1,3",
+               "--repeats", "3", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "| L | n | eager ms | eager ×n=1 | compiled ms | compiled ×n=1 |" in table and "| 100 | 3 |" in table
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["mode"], r["context"], r["n"]) for r in rows} == {
+        (m, L, n) for m in ("eager", "compiled") for L in (40, 100) for n in (1, 3)}
+    assert all(r["ms"] > 0 for r in rows)
+    assert all(r["vs_one"] == 1.0 for r in rows if r["n"] == 1)
+
+
+def test_cost_curve_refuses_contexts_beyond_the_model(tiny_model_dir: Path, capsys) -> None:
+    assert main(["cost-curve", "--model", str(tiny_model_dir), "--contexts", "5000"]) == 2
+    assert "exceed the model's context of 4096 tokens" in capsys.readouterr().err

@@ -16,12 +16,6 @@ MODEL = "tiny"
 
 
 @pytest.fixture
-def db(tmp_path):
-    with st.open_database(tmp_path / "studio.db") as db:
-        yield db
-
-
-@pytest.fixture
 def chapter(db):
     project = st.create_project(db, "Novel", premise="A lighthouse keeper.")
     chapter = st.add_chapter(db, project.id, "Storm")

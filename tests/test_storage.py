@@ -12,12 +12,6 @@ from storage.models import utcnow
 
 
 @pytest.fixture
-def db(tmp_path):
-    with st.open_database(tmp_path / "studio.db") as db:
-        yield db
-
-
-@pytest.fixture
 def chapter(db):
     project = st.create_project(db, "Novel", premise="A lighthouse keeper.")
     return st.add_chapter(db, project.id, "Storm")

@@ -16,12 +16,6 @@ MODEL = "tiny"
 
 
 @pytest.fixture
-def db(tmp_path):
-    with storage.open_database(tmp_path / "studio.db") as db:
-        yield db
-
-
-@pytest.fixture
 def h(db):
     handlers = Handlers(StudioContext(db=db, model=MODEL))
     with gr.Blocks():  # the settings panels need a Blocks context to be created in

@@ -32,12 +32,6 @@ def tiny_engine(tiny_model_dir):
 
 
 @pytest.fixture
-def db(tmp_path):
-    with st.open_database(tmp_path / "studio.db") as db:
-        yield db
-
-
-@pytest.fixture
 def book(db):
     project = st.create_project(db, "The Keeper", premise="A lighthouse keeper finds a message in a bottle.")
     first = st.add_chapter(db, project.id, "The bottle", "She finds it at dawn.")

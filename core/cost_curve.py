@@ -1,0 +1,126 @@
+"""The cost curve: how long one forward of n new tokens takes over a KV cache of L tokens.
+
+TokenSwift replaces several one-token forwards by one forward of a token tree, so it pays exactly where verifying
+n tokens costs little more than one: with a mean of a tokens accepted per step (bonus included), a tree of n nodes
+can at best reach a / c(n) of vanilla decoding's speed, c(n) being the cost of n tokens relative to one. On a GPU
+c(n) stays near 1 up to dozens of tokens; on a CPU it grows at once. `python -m core cost-curve` measures c(n, L)
+for the eager model and, with `--compile`, for the compiled graphs, side by side in one process (sizes and modes
+alternate within every repeat), and prints a markdown table plus JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from core.kv_cache import KVCache
+
+
+def add_cost_curve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", default="1024,4096,7000", help="cached tokens L, comma-separated")
+    p.add_argument("--sizes", default="1,2,3,4,6,8", help="new tokens n per forward, comma-separated")
+    p.add_argument("--repeats", type=int, default=15, help="timed forwards per (L, n, mode); the median is reported")
+    p.add_argument("--json", default=None, help="write every figure to this file")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: int, vocab: int,
+                 device: torch.device) -> float:
+    """Seconds of one forward of n new tokens after `context` cached ones; the cache is left as it was."""
+    tokens = torch.randint(vocab, (n,), device=device)
+    positions = torch.arange(context, context + n, device=device)
+    block = torch.ones(n, n, dtype=torch.bool, device=device).tril_() if n > 1 else None
+    _sync(device)
+    t0 = time.perf_counter()
+    forward(tokens, positions, cache, block)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    cache.rollback()
+    return seconds
+
+
+@torch.inference_mode()
+def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
+            progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """Median milliseconds per (mode, L, n); modes are 'eager' and, if the engine compiles, 'compiled'."""
+    model, device = engine.model, engine.device
+    vocab = model.cfg.vocab_size
+    modes: dict[str, Callable[..., Any]] = {"eager": lambda t, p, c, m: model(t, p, c, m)}
+    if engine.runner is not None:
+        modes["compiled"] = lambda t, p, c, m: engine.runner.forward(t, p, c, m)
+    rows = []
+    for context in contexts:
+        progress(f"filling a {context}-token cache")
+        cache = model.new_cache(context + max(sizes) + 32)
+        ids = torch.randint(vocab, (context,), device=device)
+        for start in range(0, context, 512):  # chunked prefill keeps the [n, L] masks small
+            chunk = ids[start:start + 512]
+            model(chunk, torch.arange(start, start + len(chunk), device=device), cache, logits_rows=slice(-1, None))
+            cache.commit()
+        times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
+        for name, fwd in modes.items():  # untimed: first calls allocate and fill caches
+            for n in sizes:
+                time_forward(fwd, cache, context, n, vocab, device)
+        for r in range(repeats):
+            progress(f"L={context}: repeat {r + 1}/{repeats}")
+            order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]  # rotate so drift hits every size alike
+            for n in order:
+                for name, fwd in (modes.items() if r % 2 == 0 else reversed(modes.items())):
+                    times[(name, n)].append(time_forward(fwd, cache, context, n, vocab, device))
+        for name in modes:
+            one = statistics.median(times[(name, 1)]) if 1 in sizes else None
+            for n in sizes:
+                ms = 1000 * statistics.median(times[(name, n)])
+                rows.append({"mode": name, "context": context, "n": n, "ms": round(ms, 2),
+                             "vs_one": round(ms / (1000 * one), 3) if one else None})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    modes = sorted({r["mode"] for r in rows}, key=["eager", "compiled"].index)
+    header = "| L | n | " + " | ".join(f"{m} ms | {m} ×n=1" for m in modes) + " |"
+    lines = [header, "|" + "---|" * (2 + 2 * len(modes))]
+    for context in sorted({r["context"] for r in rows}):
+        for n in sorted({r["n"] for r in rows}):
+            cells = []
+            for m in modes:
+                r = next(x for x in rows if (x["mode"], x["context"], x["n"]) == (m, context, n))
+                cells += [f"{r['ms']:.1f}", f"{r['vs_one']:.2f}" if r["vs_one"] else "–"]
+            lines.append(f"| {context} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_cost_curve(args: argparse.Namespace) -> int:
+    from core.bench import hardware
+    from core.engine import Engine
+
+    contexts = sorted(int(x) for x in args.contexts.split(","))
+    sizes = sorted(int(x) for x in args.sizes.split(","))
+    if not sizes or min(sizes) < 1 or args.repeats < 1:
+        raise ValueError("--sizes must be positive integers and --repeats at least 1")
+    engine = Engine.load(args.model, heads=None, device=args.device, compile=args.compile)
+    if max(contexts) + max(sizes) > engine.max_context:
+        raise ValueError(f"--contexts up to {max(contexts)} plus {max(sizes)} new tokens exceed the model's "
+                         f"context of {engine.max_context} tokens")
+    if engine.runner is not None:
+        print(f"compiling graphs for sizes {sizes} …", file=sys.stderr)
+        engine.runner.warm_up(tuple(sizes))
+    rows = measure(engine, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr))
+    print(markdown(rows))
+    if args.json:
+        report = {"model": engine.loaded.name, "dtype": str(engine.model.dtype), "hardware": hardware(),
+                  "repeats": args.repeats, "rows": rows}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
