@@ -39,6 +39,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--plot", default=None, help="write a Plotly chart (HTML) of speedup vs length")
+    p.add_argument("--hf-max-length", type=int, default=None,
+                   help="stop the transformers baselines here (on a CPU, hf-lookup takes over 30 min for 8000 tokens); "
+                        "longer lengths report only our methods")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Run:
     accepted: int = 0
     from_ngram: int = 0
     step_tokens: list[int] = field(default_factory=list)  # tokens per step, cumulative boundaries for checkpoints
+    step_ngram: list[int] = field(default_factory=list)  # accepted drafts per step that came from the n-gram table
     peak_rss_mb: float = 0.0
 
     def time_at(self, n: int) -> float:
@@ -67,8 +71,8 @@ class Run:
             total += k
             if total >= n:
                 break
-        frac = s / len(self.step_tokens)
-        return s, round(self.accepted * frac), round(self.from_ngram * frac)
+        # every step emits its accepted drafts plus the model's own next token
+        return s, total - s, sum(self.step_ngram[:s])
 
 
 class RssSampler:
@@ -104,6 +108,7 @@ def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampl
                               sampling=sampling, ignore_eos=True)
     times: list[float] = []
     step_tokens: list[int] = []
+    step_ngram: list[int] = []
     with RssSampler() as rss:
         gen = engine.generate(prompt_ids, config)
         elapsed = 0.0
@@ -111,10 +116,11 @@ def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampl
             elapsed += step.seconds
             times.extend([elapsed] * len(step.token_ids))
             step_tokens.append(len(step.token_ids))
+            step_ngram.append(step.from_ngram)
     r = gen.result
     assert r is not None
     return Run(method, 0, 0, r.token_ids, r.prefill_s, times, len(r.steps), sum(s.accepted for s in r.steps),
-               sum(s.from_ngram for s in r.steps), step_tokens, rss.peak / 2**20)
+               sum(s.from_ngram for s in r.steps), step_tokens, step_ngram, rss.peak / 2**20)
 
 
 def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: Any, eos: tuple[int, ...]) -> Run:
@@ -173,12 +179,15 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[d
     pairs = sorted({(r.prompt, r.repeat) for r in runs})
     for L in lengths:
         for m in methods:
-            mine = [by[(m, p, k)] for p, k in pairs if (m, p, k) in by]
+            reached = {key: r for key, r in by.items() if len(r.times) >= L}  # runs that got this far
+            mine = [reached[(m, p, k)] for p, k in pairs if (m, p, k) in reached]
+            if not mine:
+                continue
             tps = [L / r.time_at(L) for r in mine]
 
             def ratio(base: str) -> float | None:
-                vals = [(L / by[(m, p, k)].time_at(L)) / (L / by[(base, p, k)].time_at(L))
-                        for p, k in pairs if (m, p, k) in by and (base, p, k) in by]
+                vals = [(L / reached[(m, p, k)].time_at(L)) / (L / reached[(base, p, k)].time_at(L))
+                        for p, k in pairs if (m, p, k) in reached and (base, p, k) in reached]
                 return round(statistics.median(vals), 3) if vals else None
 
             row: dict[str, Any] = {
@@ -306,7 +315,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for m in order:
             bar.set_postfix_str(f"{m} prompt {p} repeat {k}")
             if m.startswith("hf"):
-                r = run_hf(hf, m, prompt_ids[p], longest, sampling, eos)
+                r = run_hf(hf, m, prompt_ids[p], min(longest, args.hf_max_length or longest), sampling, eos)
             else:
                 r = run_ours(engine, m, prompt_ids[p], longest, sampling)
             r.prompt, r.repeat = p, k

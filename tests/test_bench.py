@@ -33,6 +33,16 @@ def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: P
     assert "<html>" in html and "speedup over ar" in html
 
 
+def test_transformers_baselines_can_stop_early(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--model", str(tiny_model_dir), "--heads", "none", "--n-prompts", "1", "--lengths", "16,40",
+               "--methods", "hf,ar", "--hf-max-length", "16", "--json", str(out)])
+    assert rc == 0
+    rows = {(r["method"], r["length"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("hf", 16), ("ar", 16), ("ar", 40)}
+    assert rows[("ar", 16)]["speedup_vs_hf"] > 0 and rows[("ar", 40)]["speedup_vs_hf"] is None
+
+
 def test_lengths_beyond_the_context_are_refused(tiny_model_dir: Path, capsys) -> None:
     rc = main(["bench", "--model", str(tiny_model_dir), "--heads", "none", "--lengths", "1024,5000",
                "--methods", "ar"])
