@@ -289,9 +289,9 @@ class Worker:
 
         compile = self.compile
         if compile is None:  # auto: compiled graphs double a CPU's speed; on a GPU eager mode is the tested path
-            import torch
+            from core.loading import default_device
 
-            compile = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+            compile = (self.device or default_device()).startswith("cpu")
         engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=compile)
         if compile:
             # Compile now, under the "compiling" state, rather than inside the first user's run (compiled graphs

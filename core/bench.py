@@ -178,8 +178,8 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[d
     by = {(r.method, r.prompt, r.repeat): r for r in runs}
     pairs = sorted({(r.prompt, r.repeat) for r in runs})
     for L in lengths:
+        reached = {key: r for key, r in by.items() if len(r.times) >= L}  # runs that got this far
         for m in methods:
-            reached = {key: r for key, r in by.items() if len(r.times) >= L}  # runs that got this far
             mine = [reached[(m, p, k)] for p, k in pairs if (m, p, k) in reached]
             if not mine:
                 continue

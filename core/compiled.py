@@ -86,7 +86,13 @@ class CompiledRunner:
         self.ready: set[int] = set()  # sizes whose graphs are compiled
 
     def bucket(self, n: int) -> int | None:
+        """The graph size a forward of n tokens should have (the one to warm up for it)."""
         return next((s for s in self.sizes if s >= n), None)
+
+    def graph_size(self, n: int) -> int | None:
+        """The compiled graph a forward of n tokens runs in: the smallest ready one that fits (padding a few rows
+        costs less than running eagerly), or None (eager)."""
+        return min((s for s in self.ready if s >= n), default=None)
 
     def warm_up(self, sizes: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None) -> float:
         """Compile the graphs for `sizes` now (minutes the first time, seconds from the disk cache)."""
@@ -106,8 +112,7 @@ class CompiledRunner:
         """Logits, hidden states and heads' logits of all rows; None if no graph of a fitting size is ready (the
         caller runs eagerly: a generation never stalls on a compilation)."""
         n = tokens.shape[0]
-        # the smallest compiled graph that fits: padding a few rows costs less than running eagerly
-        size = next((s for s in sorted(self.ready) if s >= n), None)
+        size = self.graph_size(n)
         if size is None:
             return None
         pad = size - n

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from core.decoding import PREFILL_CHUNK
 from core.kv_cache import KVCache
 
 
@@ -64,8 +65,8 @@ def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
         progress(f"filling a {context}-token cache")
         cache = model.new_cache(context + max(sizes) + 32)
         ids = torch.randint(vocab, (context,), device=device)
-        for start in range(0, context, 512):  # chunked prefill keeps the [n, L] masks small
-            chunk = ids[start:start + 512]
+        for start in range(0, context, PREFILL_CHUNK):  # chunked, as generation prefills
+            chunk = ids[start:start + PREFILL_CHUNK]
             model(chunk, torch.arange(start, start + len(chunk), device=device), cache, logits_rows=slice(-1, None))
             cache.commit()
         times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}

@@ -68,8 +68,11 @@ class Engine:
     @property
     def max_block(self) -> int:
         """The most tokens one forward appends beyond the committed sequence (compiled graphs pad up to a size)."""
-        padded = self.runner.bucket(self.options.tree_budget) if self.runner is not None else None
-        return max(self.options.tree_budget, padded or 0) + 1
+        budget = self.options.tree_budget
+        if self.runner is None:
+            return budget + 1
+        # a tree pads to the graph warm_up compiles for it, or to a larger one that is already ready
+        return max(budget, self.runner.bucket(budget) or 0, self.runner.graph_size(budget) or 0) + 1
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile the graphs this engine's decoding uses (one token, and one tree); seconds spent."""

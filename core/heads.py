@@ -79,10 +79,6 @@ class DraftHeads(nn.Module):
         p, idx = logits.float().softmax(-1).topk(k, dim=-1)
         return (self.vocab[idx] if self.vocab.numel() else idx), p
 
-    def topk(self, h0: Tensor, model: Transformer, k: int) -> tuple[Tensor, Tensor]:
-        """Top-k token ids and probabilities per head for one hidden state [hidden]."""
-        return self.candidates(self.logits(h0[None], model)[:, 0], k)
-
 
 def model_fingerprint(model: Transformer) -> str:
     """Hash of the architecture and of a slice of the token embeddings (in bf16, so fp32 and bf16 loads agree)."""
