@@ -36,6 +36,9 @@ def add_tokenswift_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-lag", type=int, default=None, help="leave the last N tokens out of the n-gram table")
     p.add_argument("--ngram-topk", type=int, default=None,
                    help="n-gram continuations proposed per key (default 20; 0 turns token reuse off)")
+    p.add_argument("--min-draft-score", type=float, default=None,
+                   help="verify only drafts whose estimated chance is at least this (default: 0.35 on a CPU with "
+                        "--compile, else 0)")
 
 
 def sampling_from(args: argparse.Namespace):
@@ -55,7 +58,7 @@ def options_from(args: argparse.Namespace):
     from core.tokenswift import TokenSwiftOptions
 
     opts = TokenSwiftOptions()
-    for name in ("draft_mode", "tree_budget", "kv_budget", "ngram_lag", "ngram_topk"):
+    for name in ("draft_mode", "tree_budget", "kv_budget", "ngram_lag", "ngram_topk", "min_draft_score"):
         value = getattr(args, name, None)
         if value is not None:
             opts = replace(opts, **{name: value})

@@ -6,8 +6,9 @@ at each shorter length are read off the same run (the time at which its L-th tok
 "speed at length L" means for a user waiting for L tokens. Speedups are medians of ratios measured side by side.
 
 Methods: `hf` (transformers `generate` on the same weights), `hf-lookup` (its prompt-lookup decoding,
-prompt_lookup_num_tokens=10), `ar` (our vanilla decoding), `tokenswift` (the engine's default draft mode),
-`tokenswift-fused` and `tokenswift-separate` (each draft mode explicitly).
+prompt_lookup_num_tokens=10), `ar` (our vanilla decoding), `tokenswift` (the engine's settings), and variants of it
+that differ in one thing (VARIANTS): each draft mode explicitly, the ablations without the n-gram table, without
+the heads, or without the root head, and one that verifies every draft however unlikely.
 """
 from __future__ import annotations
 
@@ -25,7 +26,16 @@ from typing import Any
 
 import torch
 
-METHODS = ("hf", "hf-lookup", "ar", "tokenswift", "tokenswift-fused", "tokenswift-separate")
+# TokenSwift variants: the engine's options they change (None: drop the heads; drafting from n-grams only)
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "tokenswift-fused": {"draft_mode": "fused"},
+    "tokenswift-separate": {"draft_mode": "separate"},
+    "tokenswift-no-ngram": {"ngram_topk": 0},
+    "tokenswift-no-root": {"root_head": False},
+    "tokenswift-no-heads": None,
+    "tokenswift-always": {"min_draft_score": 0.0},
+}
+METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -101,9 +111,14 @@ class RssSampler:
 def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampling: Any) -> Run:
     from core.decoding import GenerationConfig
 
-    if method.startswith("tokenswift-"):
-        engine = copy.copy(engine)  # same model, heads and compiled graphs; another draft mode
-        engine.options = replace(engine.options, draft_mode=method.split("-", 1)[1])
+    if method in VARIANTS:
+        engine = copy.copy(engine)  # same model, heads and compiled graphs; one thing changed
+        engine.notices = []
+        changes = VARIANTS[method]
+        if changes is None:
+            engine.heads = None
+        else:
+            engine.options = replace(engine.options, **changes)
     config = GenerationConfig(max_new_tokens=length, method="ar" if method == "ar" else "tokenswift",
                               sampling=sampling, ignore_eos=True)
     times: list[float] = []

@@ -19,7 +19,7 @@ from core.heads import DraftHeads, HeadsError, load_heads
 from core.kv_cache import KVCache, PartialKVCache
 from core.loading import LoadedModel, load_model
 from core.model import Transformer
-from core.tokenswift import TokenSwiftOptions, default_tree_budget, tokenswift_steps
+from core.tokenswift import TokenSwiftOptions, default_min_draft_score, default_tree_budget, tokenswift_steps
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,15 @@ class Engine:
         options = options or TokenSwiftOptions()
         if options.tree_budget is None:
             options = replace(options, tree_budget=default_tree_budget(self.model.device, compile))
+        if options.min_draft_score is None:
+            options = replace(options, min_draft_score=default_min_draft_score(self.model.device, compile))
         self.options = options
         self.runner = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
         if compile:
             from core.compiled import CompiledRunner
 
-            self.runner = CompiledRunner(self.model, heads)
+            self.runner = CompiledRunner(self.model, heads if self.graph_heads else None)
 
     @classmethod
     def load(cls, spec: str | None = None, heads: str | Path | None = "default", device: str | None = None,
@@ -56,6 +58,16 @@ class Engine:
         elif heads is not None:
             head_model = load_heads(Path(heads), loaded.model, loaded.name)
         return cls(loaded, head_model, options, compile)
+
+    @property
+    def graph_heads(self) -> bool:
+        """Whether the compiled forward computes the heads' logits for every row. Not when a 2-node tree drafts only
+        the root head's token: reading the heads' lm_head rows would cost ~3% of a CPU step for nothing (drafting
+        computes them from the hidden state if a variant needs them)."""
+        opt = self.options
+        root_only = (opt.draft_mode == "fused" and opt.root_head and opt.tree_budget is not None
+                     and opt.tree_budget <= 2 and self.heads is not None and self.heads.root is not None)
+        return self.heads is not None and not root_only
 
     @property
     def device(self) -> torch.device:

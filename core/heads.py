@@ -4,6 +4,11 @@ Three chained residual heads on the frozen model: h_0 is the pre-final-norm hidd
 h_k = h_{k-1} + W_k · RMSNorm_k(h_{k-1}), and logits_k = lm_head(post-norm_k(h_k)) with the model's own lm_head.
 Head k predicts the token k+1 places ahead of the model's next token.
 
+The optional root head (Hydra-style) predicts the same token as head 1, the one after the model's next token (the
+root), but also reads the root itself: state = h_0 + W_down·SiLU(W_up·[RMSNorm(h_0); RMSNorm(embed(root))]). Knowing
+the root nearly doubles head 1's held-out top-1 accuracy (17% -> 30%). It runs after the root is drawn, outside
+the decoder's forward.
+
 The heads may score only a subset of the vocabulary (`vocab`, the ids the model actually writes): drafts need only a
 top-k, and on a CPU the full 49K-row lm_head costs as much as a third of a decoder step. The verification always uses
 the full vocabulary, so this never changes the output, only which drafts are proposed.
@@ -31,25 +36,73 @@ class HeadsError(ValueError):
     """A heads file is missing, malformed or made for another model."""
 
 
+class RootHead(nn.Module):
+    def __init__(self, hidden_size: int, width: int, eps: float = 1e-5, ids: Tensor | None = None):
+        super().__init__()
+        self.norm_h = RMSNorm(hidden_size, eps)
+        self.norm_e = RMSNorm(hidden_size, eps)
+        self.up = nn.Linear(2 * hidden_size, width)
+        self.down = nn.Linear(width, hidden_size)
+        self.norm_out = RMSNorm(hidden_size, eps)
+        # The token ids it scores (empty: the heads' vocabulary). Running outside the compiled forward, it pays for
+        # every lm_head row it reads: the 2048 most frequent ids keep its top-1 (30.0% against 30.4% held out) for a
+        # quarter of the rows, ~1 ms less per step on a CPU.
+        self.register_buffer("ids", ids if ids is not None else torch.empty(0, dtype=torch.long))
+
+    def forward(self, h0: Tensor, root_embedding: Tensor) -> Tensor:
+        """Post-norm state [n, hidden] from hidden states h0 [n, hidden] and the roots' embeddings [n, hidden]."""
+        x = torch.cat([self.norm_h(h0), self.norm_e(root_embedding)], dim=-1)
+        return self.norm_out(h0 + self.down(nn.functional.silu(self.up(x))))
+
+
 class DraftHeads(nn.Module):
-    def __init__(self, hidden_size: int, n_heads: int = 3, eps: float = 1e-5, vocab: Tensor | None = None):
+    def __init__(self, hidden_size: int, n_heads: int = 3, eps: float = 1e-5, vocab: Tensor | None = None,
+                 root_width: int = 0, root_ids: Tensor | None = None):
         super().__init__()
         self.n_heads = n_heads
         self.norm_in = nn.ModuleList(RMSNorm(hidden_size, eps) for _ in range(n_heads))
         self.proj = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(n_heads))
         self.norm_out = nn.ModuleList(RMSNorm(hidden_size, eps) for _ in range(n_heads))
+        self.root = RootHead(hidden_size, root_width, eps, root_ids) if root_width else None
         self.register_buffer("vocab", vocab if vocab is not None else torch.empty(0, dtype=torch.long))
         self._lm_rows: Tensor | None = None
+        self._root_lm_rows: Tensor | None = None
 
     @classmethod
-    def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None) -> "DraftHeads":
+    def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None,
+                root_width: int = 0) -> "DraftHeads":
         """Fresh heads that start out predicting what the model itself predicts (zero residual, model's norm)."""
         cfg = model.cfg
         heads = cls(cfg.hidden_size, n_heads, cfg.rms_eps, vocab)
         for k in range(n_heads):
             nn.init.zeros_(heads.proj[k].weight)
             heads.norm_out[k].weight.data.copy_(model.norm.weight.detach().float())
+        heads.add_root_head(model, root_width)
         return heads.to(device=model.device, dtype=model.dtype)
+
+    def add_root_head(self, model: Transformer, width: int) -> None:
+        """A fresh root head (none if width is 0) that starts out as the model's own next-token prediction."""
+        if not width:
+            self.root = None
+            return
+        root = RootHead(model.cfg.hidden_size, width, model.cfg.rms_eps)
+        nn.init.zeros_(root.down.weight)
+        nn.init.zeros_(root.down.bias)
+        root.norm_out.weight.data.copy_(model.norm.weight.detach().float())
+        self.root = root.to(device=model.device, dtype=model.dtype)
+        self._root_lm_rows = None
+
+    def keep_root_ids(self, ids: Tensor) -> None:
+        """Restrict the root head to these token ids (sorted, within the heads' vocabulary)."""
+        assert self.root is not None, "these heads have no root head"
+        self.root.ids = ids.to(self.vocab.device)
+        self._root_lm_rows = None
+
+    @property
+    def root_ids(self) -> Tensor:
+        """The token ids the root head scores (empty: the whole vocabulary)."""
+        assert self.root is not None, "these heads have no root head"
+        return self.root.ids if self.root.ids.numel() else self.vocab
 
     def states(self, h0: Tensor) -> list[Tensor]:
         """Post-norm states of each head, [n, hidden] each, for hidden states h0 [n, hidden]."""
@@ -74,10 +127,31 @@ class DraftHeads(nn.Module):
         states = torch.cat(self.states(h0))
         return torch.nn.functional.linear(states, self.lm_weight(model)).float().view(self.n_heads, n, -1)
 
-    def candidates(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Top-k token ids and probabilities per head from one position's logits [n_heads, V']: [n_heads, k] each."""
-        p, idx = logits.float().softmax(-1).topk(k, dim=-1)
-        return (self.vocab[idx] if self.vocab.numel() else idx), p
+    def root_logits(self, h0: Tensor, roots: Tensor, model: Transformer) -> Tensor:
+        """[n, len(root_ids)] logits of the root head for hidden states h0 [n, hidden] followed by the tokens
+        `roots` [n]."""
+        ids = self.root_ids
+        if self._root_lm_rows is None or self._root_lm_rows.device != model.device:
+            self._root_lm_rows = model.lm_head.weight[ids].contiguous() if ids.numel() else model.lm_head.weight
+        return torch.nn.functional.linear(self.root(h0, model.embed(roots)), self._root_lm_rows).float()
+
+    def candidates(self, logits: Tensor, k: int, noise: Tensor | None = None, temperature: float = 1.0,
+                   ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Top-k token ids and their estimated chance of being drawn, per row of logits [rows, V']: [rows, k] each.
+        Column j of the logits scores token ids[j] (default: the heads' vocabulary).
+
+        With `noise` [rows, V] (the sampler's Gumbel noise at each row's position, over the whole vocabulary), the
+        drafts are ranked as the sampler will draw there: logits / T + noise. Sampling draws argmax(scores / T + noise)
+        with noise fixed by (seed, position), so if the heads matched the model their top-1 would be exactly the drawn
+        token; measured offline on 2046 positions of generated text (studio settings), this lifted a root head's hit
+        rate from 33% to 38%.
+        """
+        ids = self.vocab if ids is None else ids
+        x = logits.float()
+        if noise is not None:
+            x = x / temperature + (noise[:, ids] if ids.numel() else noise)
+        p, idx = x.softmax(-1).topk(k, dim=-1)
+        return (ids[idx] if ids.numel() else idx), p
 
 
 def model_fingerprint(model: Transformer) -> str:
@@ -120,7 +194,11 @@ def load_heads(path: Path, model: Transformer, base_model: str = "") -> DraftHea
         raise HeadsError(f"heads {path.name} were trained for {meta.get('base_model', '?')!r}, not for this model "
                          f"{base_model or model.cfg.arch!r} (fingerprint mismatch); train heads for it with "
                          f"`python -m core train-heads`")
-    heads = DraftHeads(model.cfg.hidden_size, int(meta["n_heads"]), model.cfg.rms_eps, tensors.get("vocab"))
+    root_width = tensors["root.up.weight"].shape[0] if "root.up.weight" in tensors else 0
+    if root_width:
+        tensors.setdefault("root.ids", torch.empty(0, dtype=torch.long))  # files that score all the heads' ids
+    heads = DraftHeads(model.cfg.hidden_size, int(meta["n_heads"]), model.cfg.rms_eps, tensors.get("vocab"),
+                       root_width, tensors.get("root.ids"))
     heads.load_state_dict(tensors)
     heads.meta = meta  # type: ignore[attr-defined]
     return heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)

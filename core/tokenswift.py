@@ -2,8 +2,10 @@
 
 Each step:
 1. **Draft.** `fused` (default): the heads read the hidden state of the last accepted node from the previous
-   verification, so a step costs one forward. `separate` (the paper's): a one-token forward of the root over the
-   partial KV cache gives the backbone's next-token top-1 and, through the heads, the tokens after it.
+   verification, and the root head reads it with the root itself, so a step costs one forward. `separate` (the
+   paper's): a one-token forward of the root over the partial KV cache gives the backbone's next-token top-1 and,
+   through the heads, the tokens after it. Drafts for a position are ranked by the drafter's logits plus the Gumbel
+   noise the sampler will add at that position (it depends only on the seed and the position, so it is known now).
 2. **Reuse.** The n-gram table proposes continuations keyed by the root and by the first draft token.
 3. **Tree.** All drafts merge into one trie under a node budget (core/tree.py).
 4. **Verify.** One forward of the whole tree over the full cache with a tree mask. Then walk from the root: at each
@@ -39,7 +41,9 @@ GAMMA = 4  # draft depth the paper's acceptance rate is normalised by
 class TokenSwiftOptions:
     draft_mode: str = "fused"
     tree_budget: int | None = None  # tree nodes (root included) verified per step; None: the device's default
+    min_draft_score: float | None = None  # drafts less likely than this are not verified; None: the device's default
     head_topk: int = 3  # candidates per head
+    root_head: bool = True  # fused mode: the root head (if the heads have one) drafts the first token
     backbone_topk: int = 1  # depth-1 candidates from the draft pass (separate mode)
     ngram_n: int = 4
     ngram_topk: int = 20
@@ -52,6 +56,8 @@ class TokenSwiftOptions:
             raise ValueError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {self.draft_mode!r}")
         if self.tree_budget is not None and not 1 <= self.tree_budget <= 256:
             raise ValueError(f"tree budget must be between 1 and 256 nodes, got {self.tree_budget}")
+        if self.min_draft_score is not None and not 0 <= self.min_draft_score <= 1:
+            raise ValueError(f"minimum draft score must be between 0 and 1, got {self.min_draft_score}")
         if self.kv_budget <= PartialKVCache.SINKS + 1:
             raise ValueError(f"partial KV budget must exceed {PartialKVCache.SINKS + 1}, got {self.kv_budget}")
         if self.ngram_n < 2 or self.ngram_topk < 0 or self.head_topk < 1 or self.ngram_lag < 0:
@@ -62,8 +68,8 @@ class TokenSwiftOptions:
 def default_tree_budget(device: torch.device, compiled: bool) -> int:
     """The tree size that gave the most tokens/s where it was measured (README, Performance).
 
-    On a CPU every extra verified token costs: compiled, 2 tokens cost ~1.15x one and 4 ~1.4x, and with ~1.2 tokens
-    accepted per step the smallest tree wins; eagerly a forward costs more per call, so a few more drafts pay. On a
+    On a CPU every extra verified token costs: compiled, 2 tokens cost ~1.15x one and 4 ~1.4x, and with 1.3-1.4
+    tokens accepted per step the smallest tree wins; eagerly a forward costs more per call, so a few more drafts pay. On a
     GPU verifying tens of tokens costs about one step, so a larger tree is nearly free (not measured here: no GPU).
     """
     if device.type == "cuda":
@@ -71,31 +77,84 @@ def default_tree_budget(device: torch.device, compiled: bool) -> int:
     return 2 if compiled else 4
 
 
-def draft_tree(engine: "Engine", root: int, head_logits: Tensor | None, backbone: Tensor | None,
-               table: NGramTable) -> Tree:
-    """Merge the heads' and the n-gram table's proposals below `root` into one budgeted trie.
+def default_min_draft_score(device: torch.device, compiled: bool) -> float:
+    """The least estimated chance of acceptance for which verifying a draft pays.
 
-    `head_logits` [n_heads, V'] are the heads' predictions of the tokens after the root (None without heads);
-    `backbone` the draft pass's next-token logits for the token after the root (separate mode only).
+    A 2-node tree yields 1 + p tokens for a cost c(2) against 1 token for 1, so a draft pays iff p > c(2) - 1: on
+    this CPU, compiled, c(2) - 1 is 0.16 at 1024 cached tokens and 0.32 at 7000, and the estimates run ~1.4x high
+    (a root-head draft scored 0.9 is right ~2/3 of the time), hence 0.35. Eagerly c(n) is not even monotonic in n,
+    and on a GPU extra tokens are nearly free: there, every draft the budget allows is verified.
     """
+    return 0.35 if device.type == "cpu" and compiled else 0.0
+
+
+def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
+               backbone: Tensor | None, table: NGramTable) -> Tree:
+    """Merge the model's drafts (draft_candidates) and the n-gram table's continuations below the root (the last
+    token of `gen`) into one budgeted trie."""
     opt = engine.options
+    root = gen.tokens[-1]
+    depth = opt.tree_budget - 1  # no deeper draft fits the tree
+    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, depth)
     builder = TreeBuilder(root)
-    candidates: list[list[tuple[int, float]]] = []
-    if backbone is not None:
-        p, ids = backbone.float().softmax(-1).topk(opt.backbone_topk)
-        candidates.append(list(zip(ids.tolist(), p.tolist())))
-    if engine.heads is not None and head_logits is not None:
-        ids, p = engine.heads.candidates(head_logits, opt.head_topk)
-        candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
     builder.add_product(candidates, HEADS)
     # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
     keys = [(root, [], 1.0)] + ([(candidates[0][0][0], [candidates[0][0][0]], candidates[0][0][1])] if candidates else [])
     for key, prefix, base in keys:
+        # a continuation seen c times among `total` scores c / (total + 1): one seen once is right ~1 time in 4 with
+        # the studio settings, not always (as c / total would claim); measured on generated text
         total = table.total(key)
         for cont, count in table.topk(key, opt.ngram_topk):
-            score = base * min(1.0, opt.ngram_weight * count / total)
-            builder.add(prefix + list(cont), [base] * len(prefix) + [score] * len(cont), NGRAM)
-    return builder.build(opt.tree_budget)
+            score = base * min(1.0, opt.ngram_weight * count / (total + 1))
+            builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont), NGRAM)
+    return builder.build(opt.tree_budget, opt.min_draft_score or 0.0)
+
+
+def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
+                     backbone: Tensor | None, depth: int) -> list[list[tuple[int, float]]]:
+    """[(token, estimated chance), ...] for each of the first `depth` positions after the root, from the backbone
+    (separate mode), the root head and the heads, each ranked as the sampler will draw there (heads.candidates).
+
+    `h_last` is the hidden state the heads read (fused mode: the position before the root, head k predicts the k-th
+    token after the root, and the root head reads it with the root; separate mode: the root, one further);
+    `head_logits` [n_heads, V'] their predictions if the forward computed them (None: computed here if needed);
+    `backbone` the draft pass's next-token logits (separate mode only).
+    """
+    opt, heads, device = engine.options, engine.heads, engine.device
+    root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
+    settings = gen.config.sampling
+    temperature = settings.temperature or 1.0
+
+    def noise(first: int, n: int) -> Tensor | None:
+        """The draws' Gumbel noise at positions first .. first + n - 1 (none when decoding greedily)."""
+        if settings.greedy:
+            return None
+        return torch.stack([gen.sampler.noise(first + i, device) for i in range(n)])
+
+    candidates: list[list[tuple[int, float]]] = []
+    if backbone is not None and depth > 0:
+        logits = backbone.float()[None, :gen.sampler.vocab]
+        if not settings.greedy:
+            logits = logits / temperature + noise(root_pos + 1, 1)
+        p, ids = logits.softmax(-1).topk(opt.backbone_topk)
+        candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
+    if heads is None or h_last is None:
+        return candidates
+    if backbone is None and opt.root_head and heads.root is not None and depth > 0:
+        # the root head predicts head 1's token knowing the root: nearly twice as often right
+        logits = heads.root_logits(h_last[None], torch.tensor([root], device=device), engine.model)
+        ids, p = heads.candidates(logits, opt.head_topk, noise(root_pos + 1, 1), temperature, heads.root_ids)
+        candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
+    # in fused mode head k predicts the k-th token after the root, in separate mode the (k+1)-th
+    skip = len(candidates) - (1 if backbone is not None else 0)
+    more = min(depth - len(candidates), heads.n_heads - skip)
+    if more > 0:
+        if head_logits is None:  # the compiled graph left the heads out (Engine.graph_heads)
+            head_logits = heads.logits(h_last[None], engine.model)[:, 0]
+        ids, p = heads.candidates(head_logits[skip:skip + more], opt.head_topk,
+                                  noise(root_pos + 1 + len(candidates), more), temperature)
+        candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
+    return candidates
 
 
 def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
@@ -107,6 +166,7 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
     logits, h = gen.prefill(cache)
     # the heads' predictions of the tokens after the next root, from the last position the model has processed
     head_logits = engine.heads.logits(h[None], engine.model)[:, 0] if engine.heads is not None else None
+    h_last = h  # the hidden state the heads were read from
     table = NGramTable(opt.ngram_n)
     table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
     partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
@@ -122,13 +182,14 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
         root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
         backbone = None
         if partial is not None:
-            draft_logits, _, draft_heads = engine.forward_with_heads(
+            draft_logits, draft_hidden, draft_heads = engine.forward_with_heads(
                 torch.tensor([root], device=device), torch.tensor([root_pos], device=device), partial)
             partial.commit()
             # the backbone drafts the token after the root; the heads, read at the root, the ones after that
-            backbone, head_logits = draft_logits[0], None if draft_heads is None else draft_heads[:, 0]
-        tree = draft_tree(engine, root, head_logits, backbone, table)
-        logits, _, tree_heads = engine.forward_with_heads(
+            backbone, h_last = draft_logits[0], draft_hidden[0]
+            head_logits = None if draft_heads is None else draft_heads[:, 0]
+        tree = draft_tree(engine, gen, head_logits, h_last, backbone, table)
+        logits, hidden, tree_heads = engine.forward_with_heads(
             torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
         node, path, accepted_nodes = 0, [], []
         while True:
@@ -140,8 +201,8 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
             path.append(token)
             accepted_nodes.append(node)
         cache.keep([0] + accepted_nodes)
-        if tree_heads is not None:  # fused mode drafts the next step from the last accepted node
-            head_logits = tree_heads[:, node]
+        # fused mode drafts the next step from the last accepted node
+        h_last, head_logits = hidden[node], None if tree_heads is None else tree_heads[:, node]
         from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)
         step = gen.emit(path + [token], time.perf_counter() - t0, accepted=len(path), from_ngram=from_ngram,
                         from_heads=len(path) - from_ngram, tree_size=len(tree))

@@ -1,13 +1,15 @@
 """Training the drafting heads by self-distillation, reproducibly, on a CPU.
 
-`python -m core train-heads --model smollm2-135m --out assets/heads/smollm2-135m.safetensors` runs four resumable
+`python -m core train-heads --model smollm2-135m --out assets/heads/smollm2-135m.safetensors` runs five resumable
 stages, caching their products outside git (`--data-dir`, default under TOKENSWIFT_CACHE):
 1. data: the base model continues every writing prompt in assets/prompts/train_prompts.jsonl (chat template, the
    studio sampling settings, end-of-sequence suppressed), batched; one JSON line per sample.
 2. hidden: the frozen model's pre-final-norm hidden states at every output position (what the heads read).
 3. train: the heads alone, loss = sum of the cross-entropies for tokens t+2, t+3, t+4 (AdamW, warmup + cosine, as in
    the paper), over the heads' vocabulary (the ids the model writes most); checkpointed, resumable, time-budgeted.
-4. eval: per-head top-1/top-3 accuracy on held-out prompts' text; a JSON card is written beside the heads.
+4. root: the root head (core/heads.py) on the same rows, predicting t+2 from the hidden state and the token t+1;
+   the same optimiser and checkpointing; saved into the heads' file.
+5. eval: per-head top-1/top-3 accuracy on held-out prompts' text; a JSON card is written beside the heads.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("data", "hidden", "train", "root", "eval")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -31,7 +34,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="heads file (default assets/heads/<model>.safetensors)")
     p.add_argument("--prompts", default=str(ROOT / "assets/prompts/train_prompts.jsonl"))
     p.add_argument("--data-dir", default=None, help="cache of generated data and checkpoints (outside git)")
-    p.add_argument("--stage", default="all", choices=["all", "data", "hidden", "train", "eval"])
+    p.add_argument("--stage", default="all", choices=["all", *STAGES])
     p.add_argument("--gen-tokens", type=int, default=1024, help="tokens generated per prompt")
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--samples-per-prompt", type=int, default=1)
@@ -42,6 +45,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--root-width", type=int, default=1152, help="hidden width of the root head (0 = none)")
+    p.add_argument("--root-steps", type=int, default=1500)
+    p.add_argument("--root-vocab", type=int, default=2048, help="ids the root head keeps after training (0 = all)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -134,6 +140,7 @@ def read_samples(data: Path) -> list[dict[str, Any]]:
 # --- stage 2: hidden states -----------------------------------------------------------------------------------------
 
 N_HEADS = 3
+HIDDEN_FORMAT = 2  # 2: y holds tokens t+1..t+4 (1 held t+2..t+4)
 
 
 def stage_hidden(args: argparse.Namespace, data: Path) -> None:
@@ -142,7 +149,7 @@ def stage_hidden(args: argparse.Namespace, data: Path) -> None:
     from core.loading import load_model
 
     target = data / "hidden.pt"
-    if target.exists():
+    if target.exists() and torch.load(target, mmap=True).get("format") == HIDDEN_FORMAT:
         return
     samples = read_samples(data)
     held = split_ids(read_prompts(args.prompts), args.holdout, args.seed)
@@ -161,15 +168,17 @@ def stage_hidden(args: argparse.Namespace, data: Path) -> None:
                 cache.commit()
         h = torch.cat(hs)[start:]
         n = h.shape[0]
-        # head k (1-based) at position t predicts token t+1+k; -1 where the sequence has ended
-        y = torch.full((n, N_HEADS), -1, dtype=torch.long)
-        for k in range(1, N_HEADS + 1):
+        # column k of y is token t+1+k for the hidden state at position t (column 0: the model's own next token, the
+        # root the root head is conditioned on; head k predicts column k); -1 where the sequence has ended
+        y = torch.full((n, N_HEADS + 1), -1, dtype=torch.long)
+        for k in range(N_HEADS + 1):
             tgt = ids[start + 1 + k:]
-            y[: len(tgt), k - 1] = tgt[:n]
+            y[: len(tgt), k] = tgt[:n]
         split = "eval" if sample["prompt_id"] in held else "train"
         parts[split]["h"].append(h.half())
         parts[split]["y"].append(y)
-    torch.save({split: {"h": torch.cat(v["h"]), "y": torch.cat(v["y"])} for split, v in parts.items()}, target)
+    torch.save({"format": HIDDEN_FORMAT, **{split: {"h": torch.cat(v["h"]), "y": torch.cat(v["y"])}
+                                            for split, v in parts.items()}}, target)
 
 
 # --- stage 3: training ----------------------------------------------------------------------------------------------
@@ -182,66 +191,75 @@ def head_vocab(y: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor | No
     return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.long)
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
+def lr_at(step: int, args: argparse.Namespace, steps: int) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    progress = (step - args.warmup) / max(1, steps - args.warmup)
     return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def remap_for(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """Token id -> index in the heads' vocabulary (-1 outside it), or None for the whole vocabulary."""
+    if vocab is None or not vocab.numel():
+        return None
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
+    remap[vocab] = torch.arange(len(vocab))
+    return remap
+
+
+def to_vocab(y: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+    """Targets as indices into the heads' vocabulary; -1 (ignored) for ended sequences and ids outside it."""
+    return y if remap is None else remap[y.clamp(min=0)].masked_fill(y < 0, -1)
+
+
 def head_losses(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
-    """Cross-entropy per head over the heads' vocabulary; targets outside it are ignored."""
+    """Cross-entropy per head over the heads' vocabulary (y: tokens t+1..t+4); ignored targets are skipped."""
     logits = heads.logits(h, model)  # [3, n, V']
-    targets = y.T if remap is None else remap[y.clamp(min=0)].T.masked_fill(y.T < 0, -1)
+    targets = to_vocab(y[:, 1:].T, remap)
     return torch.stack([F.cross_entropy(logits[k], targets[k], ignore_index=-1) for k in range(logits.shape[0])])
 
 
-def stage_train(args: argparse.Namespace, data: Path) -> None:
+def root_loss(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+    """Cross-entropy of the root head: token t+2 from the hidden state at t and the token t+1 (y[:, 0])."""
+    logits = heads.root_logits(h, y[:, 0].clamp(min=0), model)
+    return F.cross_entropy(logits, to_vocab(y[:, 1].masked_fill(y[:, 0] < 0, -1), remap), ignore_index=-1)[None]
+
+
+def optimise(module: torch.nn.Module, losses_of: Any, h_all: torch.Tensor, y_all: torch.Tensor,
+             ckpt_path: Path, steps: int, args: argparse.Namespace, desc: str) -> tuple[int, list[list[float]]]:
+    """Train `module` (AdamW, warmup + cosine, clipped) on random batches of (h, y) rows; checkpointed every 200
+    steps, resumable with the same batches, stopped early by --max-minutes. Returns (steps done, loss history)."""
     from tqdm import tqdm
 
-    from core.heads import DraftHeads, save_heads
-    from core.loading import load_model
-
-    tensors = torch.load(data / "hidden.pt")
-    h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
-    lm = load_model(args.model, device="cpu")
-    model = lm.model
-    vocab = head_vocab(y_all, args.head_vocab, model.cfg.vocab_size)
-    remap = None
-    if vocab is not None:
-        remap = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
-        remap[vocab] = torch.arange(len(vocab))
-    ckpt_path = data / "checkpoint.pt"
-    heads = DraftHeads.initial(model, N_HEADS, vocab)
-    heads.requires_grad_(True).train()
-    decay = [p for n, p in heads.named_parameters() if n.startswith("proj")]
-    no_decay = [p for n, p in heads.named_parameters() if not n.startswith("proj")]
+    module.requires_grad_(True).train()
+    decay = [p for n, p in module.named_parameters() if p.ndim == 2]  # matrices decay; norms and biases do not
+    no_decay = [p for n, p in module.named_parameters() if p.ndim != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     step, history = 0, []
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path)
-        heads.load_state_dict(ckpt["heads"])
+        module.load_state_dict(ckpt["heads"])
         opt.load_state_dict(ckpt["opt"])
         step, history = ckpt["step"], ckpt["history"]
     gen = torch.Generator().manual_seed(args.seed)
     for _ in range(step):  # the same batches as an uninterrupted run
         torch.randint(len(h_all), (args.batch_tokens,), generator=gen)
     deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
-    bar = tqdm(total=args.steps, initial=step, desc="training", unit="step")
+    bar = tqdm(total=steps, initial=step, desc=desc, unit="step")
 
     def checkpoint() -> None:
-        torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, "history": history},
+        torch.save({"heads": module.state_dict(), "opt": opt.state_dict(), "step": step, "history": history},
                    ckpt_path)
 
-    while step < args.steps:
+    while step < steps:
         idx = torch.randint(len(h_all), (args.batch_tokens,), generator=gen)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        losses = head_losses(heads, model, h_all[idx].float(), y_all[idx], remap)
+            group["lr"] = lr_at(step, args, steps)
+        losses = losses_of(h_all[idx].float(), y_all[idx])
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
-        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         opt.step()
         step += 1
         history.append([step] + [round(v, 4) for v in losses.tolist()])
@@ -254,10 +272,58 @@ def stage_train(args: argparse.Namespace, data: Path) -> None:
             break
     bar.close()
     checkpoint()
+    module.eval().requires_grad_(False)
+    return step, history
+
+
+def load_hidden(data: Path) -> dict[str, Any]:
+    tensors = torch.load(data / "hidden.pt")
+    if tensors.get("format") != HIDDEN_FORMAT:
+        raise RuntimeError(f"{data / 'hidden.pt'} is from an older version: delete it and run the hidden stage again")
+    return tensors
+
+
+def stage_train(args: argparse.Namespace, data: Path) -> None:
+    from core.heads import DraftHeads, save_heads
+    from core.loading import load_model
+
+    tensors = load_hidden(data)
+    h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
+    model = load_model(args.model, device="cpu").model
+    vocab = head_vocab(y_all[:, 1:], args.head_vocab, model.cfg.vocab_size)
+    remap = remap_for(vocab, model.cfg.vocab_size)
+    heads = DraftHeads.initial(model, N_HEADS, vocab)
+    step, _ = optimise(heads, lambda h, y: head_losses(heads, model, h, y, remap), h_all, y_all,
+                       data / "checkpoint.pt", args.steps, args, "training heads")
+    n_train = int((y_all[:, 1] >= 0).sum())
+    save_heads(heads, out_path(args), model, args.model, {"steps": step, "train_tokens": n_train})
+
+
+def stage_root(args: argparse.Namespace, data: Path) -> None:
+    """The root head, trained on the same rows beside the frozen heads of the train stage; saved into their file."""
+    from core.heads import load_heads, save_heads
+    from core.loading import load_model
+
+    if not args.root_width:
+        return
+    tensors = load_hidden(data)
+    h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
+    model = load_model(args.model, device="cpu").model
     out = out_path(args)
-    heads.eval().requires_grad_(False)
-    n_train = int((y_all[:, 0] >= 0).sum())
-    save_heads(heads, out, model, args.model, {"steps": step, "train_tokens": n_train})
+    heads = load_heads(out, model, args.model)
+    heads.add_root_head(model, args.root_width)
+    remap = remap_for(heads.vocab, model.cfg.vocab_size)
+    root = heads.root
+    step, _ = optimise(root, lambda h, y: root_loss(heads, model, h, y, remap), h_all, y_all,
+                       data / "root_checkpoint.pt", args.root_steps, args, "training root head")
+    # trained over the heads' vocabulary, it then keeps only the rows of the ids written most (heads.RootHead)
+    kept = head_vocab(y_all[:, 1][torch.isin(y_all[:, 1], heads.vocab)], args.root_vocab, len(heads.vocab))
+    if kept is not None:
+        heads.keep_root_ids(kept)
+    meta = {k: v for k, v in heads.meta.items() if k not in ("format", "base_model", "fingerprint", "n_heads",
+                                                              "hidden_size")}
+    save_heads(heads, out, model, args.model, {**meta, "root_steps": step, "root_width": args.root_width,
+                                               "root_vocab": len(heads.root_ids)})
 
 
 def out_path(args: argparse.Namespace) -> Path:
@@ -277,7 +343,7 @@ def head_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> l
         top = logits.topk(3, dim=-1).indices
         if heads.vocab.numel():
             top = heads.vocab[top]
-        yy = y[c:c + 2048].T  # [3, n]
+        yy = y[c:c + 2048, 1:].T  # [3, n]: tokens t+2..t+4
         valid = yy >= 0
         hit = top == yy[..., None]
         hits1 += (hit[..., 0] & valid).sum(1)
@@ -287,24 +353,39 @@ def head_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> l
             for k in range(heads.n_heads)]
 
 
+@torch.no_grad()
+def root_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """Top-1 / top-3 accuracy of the root head for token t+2, given the true token t+1."""
+    hits1 = hits3 = count = 0
+    for c in range(0, len(h), 2048):
+        yy = y[c:c + 2048]
+        valid = (yy[:, 0] >= 0) & (yy[:, 1] >= 0)
+        top = heads.root_logits(h[c:c + 2048].float(), yy[:, 0].clamp(min=0), model).topk(3, dim=-1).indices
+        ids = heads.root_ids
+        hit = (ids[top] if ids.numel() else top) == yy[:, 1:2]
+        hits1 += int((hit[:, 0] & valid).sum())
+        hits3 += int((hit.any(-1) & valid).sum())
+        count += int(valid.sum())
+    return {"top1": round(hits1 / count, 4), "top3": round(hits3 / count, 4)}
+
+
 def stage_eval(args: argparse.Namespace, data: Path) -> None:
     from core.heads import load_heads
     from core.loading import load_model
 
-    tensors = torch.load(data / "hidden.pt")
+    tensors = load_hidden(data)
     lm = load_model(args.model, device="cpu")
     out = out_path(args)
     heads = load_heads(out, lm.model, args.model)
-    acc = head_accuracy(heads, lm.model, tensors["eval"]["h"], tensors["eval"]["y"])
+    h_eval, y_eval = tensors["eval"]["h"], tensors["eval"]["y"]
+    acc = head_accuracy(heads, lm.model, h_eval, y_eval)
     ckpt = torch.load(data / "checkpoint.pt")
-    history = ckpt["history"]
-    tail = history[-50:]
-    final = [round(sum(r[k] for r in tail) / len(tail), 4) for k in range(1, N_HEADS + 1)]
+    final = final_losses(ckpt["history"])
     samples = read_samples(data)
     y_train = tensors["train"]["y"]
     coverage = None
     if heads.vocab.numel():
-        in_vocab = torch.isin(y_train[:, 0][y_train[:, 0] >= 0], heads.vocab)
+        in_vocab = torch.isin(y_train[:, 1][y_train[:, 1] >= 0], heads.vocab)
         coverage = round(float(in_vocab.float().mean()), 4)
     card = {
         "base_model": args.model,
@@ -317,8 +398,8 @@ def stage_eval(args: argparse.Namespace, data: Path) -> None:
             "prompts": len({s["prompt_id"] for s in samples}),
             "samples": len(samples),
             "generated_tokens": sum(len(s["output"]) for s in samples),
-            "train_positions": int((y_train[:, 0] >= 0).sum()),
-            "eval_positions": int((tensors["eval"]["y"][:, 0] >= 0).sum()),
+            "train_positions": int((y_train[:, 1] >= 0).sum()),
+            "eval_positions": int((y_eval[:, 1] >= 0).sum()),
             "held_out_prompts": args.holdout,
         },
         "head_vocab": {"size": int(heads.vocab.numel()) or lm.config.vocab_size, "train_target_coverage": coverage},
@@ -327,11 +408,25 @@ def stage_eval(args: argparse.Namespace, data: Path) -> None:
                      "optimizer": "AdamW(0.9, 0.95)", "final_loss_per_head": final, "seed": args.seed},
         "held_out_accuracy": {f"head{k + 1} (t+{k + 2})": a for k, a in enumerate(acc)},
         "command": "python -m core train-heads --model {m} --gen-tokens {g} --steps {s} --batch-tokens {b} "
-                   "--lr {lr} --head-vocab {v}".format(m=args.model, g=args.gen_tokens, s=args.steps,
-                                                        b=args.batch_tokens, lr=args.lr, v=args.head_vocab),
+                   "--lr {lr} --head-vocab {v} --root-width {w} --root-steps {rs} --root-vocab {rv}".format(
+                       m=args.model, g=args.gen_tokens, s=args.steps, b=args.batch_tokens, lr=args.lr,
+                       v=args.head_vocab, w=args.root_width, rs=args.root_steps, rv=args.root_vocab),
     }
-    out.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
-    print(json.dumps(card["held_out_accuracy"], indent=1))
+    if heads.root is not None:
+        root_ckpt = torch.load(data / "root_checkpoint.pt")
+        card["architecture"] += ("; root head: state = h + W_down SiLU(W_up [RMSNorm(h); RMSNorm(embed(root))]), "
+                                 "logits = lm_head(post-norm(state)), predicts t+2 knowing the token t+1")
+        card["root_head"] = {"width": args.root_width, "steps": root_ckpt["step"], "vocab": len(heads.root_ids),
+                             "final_loss": final_losses(root_ckpt["history"])[0],
+                             "held_out_accuracy (t+2)": root_accuracy(heads, lm.model, h_eval, y_eval)}
+    out.with_suffix(".json").write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
+    print(json.dumps({**card["held_out_accuracy"], **card.get("root_head", {})}, indent=1))
+
+
+def final_losses(history: list[list[float]]) -> list[float]:
+    """Mean of the last 50 steps' losses, per loss."""
+    tail = history[-50:]
+    return [round(sum(r[k] for r in tail) / len(tail), 4) for k in range(1, len(tail[0]))]
 
 
 def run_training(args: argparse.Namespace) -> int:
@@ -339,8 +434,9 @@ def run_training(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     data = data_dir_for(args)
     data.mkdir(parents=True, exist_ok=True)
-    stages = ["data", "hidden", "train", "eval"] if args.stage == "all" else [args.stage]
+    stages = STAGES if args.stage == "all" else (args.stage,)
     for stage in stages:
         print(f"== {stage} ({data})", flush=True)
-        {"data": stage_data, "hidden": stage_hidden, "train": stage_train, "eval": stage_eval}[stage](args, data)
+        {"data": stage_data, "hidden": stage_hidden, "train": stage_train, "root": stage_root,
+         "eval": stage_eval}[stage](args, data)
     return 0

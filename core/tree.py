@@ -92,9 +92,10 @@ class TreeBuilder:
 
         expand([], [], 0)
 
-    def build(self, budget: int) -> Tree:
-        """The root plus the `budget - 1` best nodes, parents before children."""
-        order = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))[: max(0, budget - 1)]
+    def build(self, budget: int, min_score: float = 0.0) -> Tree:
+        """The root plus the `budget - 1` best nodes scoring at least `min_score`, parents before children."""
+        nodes = [i for i in range(1, len(self.tokens)) if self.scores[i] >= min_score]
+        order = sorted(nodes, key=lambda i: (-self.scores[i], i))[: max(0, budget - 1)]
         keep = [0] + sorted(order, key=lambda i: (self.depths[i], i))
         index = {old: new for new, old in enumerate(keep)}
         tree = Tree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],

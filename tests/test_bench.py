@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from core.__main__ import main
 
@@ -31,6 +32,26 @@ def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: P
     assert report["hardware"]["threads"] >= 1 and report["settings"]["sampling"] == "paper"
     html = plot.read_text()
     assert "<html>" in html and "speedup over ar" in html
+
+
+def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
+    from core.bench import run_ours
+    from core.engine import Engine
+    from core.heads import DraftHeads
+    from core.loading import load_model
+    from core.sampling import PRESETS
+    from tests.conftest import make_tiny_checkpoint
+
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", seed=3, initializer_range=0.3, vocab_size=512)))
+    engine = Engine(loaded, DraftHeads.initial(loaded.model, root_width=16))
+    prompt = torch.randint(512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = {m: run_ours(engine, m, prompt, 300, PRESETS["greedy"])
+            for m in ("ar", "tokenswift", "tokenswift-no-ngram", "tokenswift-no-heads", "tokenswift-no-root")}
+    assert all(r.token_ids == runs["ar"].token_ids for r in runs.values())
+    # on this peaky random model n-gram drafts are sometimes right; each source drafts only where it is on
+    assert runs["tokenswift-no-ngram"].from_ngram == 0 < runs["tokenswift"].from_ngram
+    assert runs["tokenswift-no-heads"].accepted == runs["tokenswift-no-heads"].from_ngram > 0
+    assert engine.heads is not None and engine.options.ngram_topk > 0 and engine.options.root_head, "engine untouched"
 
 
 def test_transformers_baselines_can_stop_early(tiny_model_dir: Path, tmp_path: Path) -> None:

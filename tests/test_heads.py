@@ -78,3 +78,49 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(HeadsError, match="unreadable"):
         load_heads(bad, model)
+
+
+def test_root_head_starts_as_the_models_own_prediction_and_round_trips(tmp_path: Path) -> None:
+    model = tiny(0)
+    heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
+    h, roots = torch.randn(4, 64), torch.tensor([5, 9, 9, 100])
+    # zero residual: the model's own next-token logits over the heads' vocabulary, whatever the root
+    assert torch.allclose(heads.root_logits(h, roots, model), model.logits(h)[:, ::2], atol=1e-5)
+    torch.nn.init.normal_(heads.root.down.weight, std=0.5)
+    out = heads.root_logits(h, roots, model)
+    assert not torch.allclose(out[1], heads.root_logits(h[1:2], torch.tensor([6]), model)[0]), "must read the root"
+    path = tmp_path / "h.safetensors"
+    save_heads(heads, path, model, "tiny-a")
+    loaded = load_heads(path, model, "tiny-a")
+    assert loaded.root is not None and loaded.root.up.out_features == 32
+    assert torch.equal(loaded.root_logits(h, roots, model), out)
+    assert load_heads(path, model).logits(h, model).shape == (3, 4, 64)
+
+
+def test_root_head_scores_only_its_own_ids(tmp_path: Path) -> None:
+    model = tiny(0)
+    ids = torch.tensor([4, 10, 64])
+    heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
+    h, roots = torch.randn(2, 64), torch.tensor([1, 2])
+    heads.root_logits(h, roots, model)  # caches the lm_head rows it reads: restricting must drop that cache
+    heads.keep_root_ids(ids)
+    assert torch.allclose(heads.root_logits(h, roots, model), model.logits(h)[:, ids], atol=1e-5)
+    picked, _ = heads.candidates(heads.root_logits(h, roots, model), 2, ids=heads.root_ids)
+    assert set(picked.flatten().tolist()) <= {4, 10, 64}
+    path = tmp_path / "h.safetensors"
+    save_heads(heads, path, model, "tiny-a")
+    assert torch.equal(load_heads(path, model).root_ids, ids)
+
+
+def test_candidates_are_ranked_as_the_sampler_draws() -> None:
+    model = tiny(0)
+    vocab = torch.tensor([3, 17, 40, 99])
+    heads = DraftHeads.initial(model, vocab=vocab)
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0]])
+    noise = torch.zeros(1, 128)
+    noise[0, 40] = 5.0  # the sampler will add a large bonus to id 40 at this position
+    ids, p = heads.candidates(logits, 2)
+    assert ids[0].tolist() == [3, 17]
+    ids, p = heads.candidates(logits, 2, noise, temperature=0.5)
+    # logits / T + noise: 40 -> 0 + 5 beats 3 -> 4 and 17 -> 2
+    assert ids[0].tolist() == [40, 3] and p[0, 0] > p[0, 1] and float(p.sum()) <= 1 + 1e-6

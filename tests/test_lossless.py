@@ -58,9 +58,9 @@ def peaky_tiny_engine(tmp_path: Path, arch: str, mode: str, kv_budget: int) -> E
     # so drafts (n-gram chains especially) are sometimes right.
     folder = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=3, initializer_range=0.3, vocab_size=512)
     loaded = load_model(str(folder), device="cpu")
-    heads = DraftHeads.initial(loaded.model)
+    heads = DraftHeads.initial(loaded.model, root_width=32)
     torch.manual_seed(4)
-    for proj in heads.proj:
+    for proj in [*heads.proj, heads.root.up, heads.root.down]:
         torch.nn.init.normal_(proj.weight, std=0.02)
     return Engine(loaded, heads, TokenSwiftOptions(draft_mode=mode, kv_budget=kv_budget, tree_budget=10))
 

@@ -50,3 +50,12 @@ def test_child_estimate_never_exceeds_parent() -> None:
     b.add([7], [0.5], HEADS)
     tree = b.build(budget=2)
     assert tree.tokens == [0, 7]
+
+
+def test_drafts_below_the_minimum_score_are_not_verified() -> None:
+    b = TreeBuilder(root=0)
+    b.add([1, 2], [0.6, 0.2], HEADS)
+    b.add([3], [0.3], NGRAM)
+    assert b.build(budget=10, min_score=0.25).tokens == [0, 1, 3]
+    assert b.build(budget=10, min_score=0.5).tokens == [0, 1]
+    assert b.build(budget=10, min_score=0.7).tokens == [0]  # nothing likely enough: a plain one-token step
