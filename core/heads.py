@@ -167,8 +167,9 @@ def save_heads(heads: DraftHeads, path: Path, model: Transformer, base_model: st
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
                for k, v in heads.state_dict().items()}
-    meta = {"format": FORMAT, "base_model": base_model, "fingerprint": model_fingerprint(model),
-            "n_heads": str(heads.n_heads), "hidden_size": str(model.cfg.hidden_size), **(extra or {})}
+    # extra metadata (e.g. an earlier file's, re-saved) never overrides what identifies the file
+    meta = {**(extra or {}), "format": FORMAT, "base_model": base_model, "fingerprint": model_fingerprint(model),
+            "n_heads": str(heads.n_heads), "hidden_size": str(model.cfg.hidden_size)}
     save_file(tensors, str(path), metadata={k: str(v) for k, v in meta.items()})
 
 

@@ -226,14 +226,15 @@ def root_loss(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: t
 
 
 def optimise(module: torch.nn.Module, losses_of: Any, h_all: torch.Tensor, y_all: torch.Tensor,
-             ckpt_path: Path, steps: int, args: argparse.Namespace, desc: str) -> tuple[int, list[list[float]]]:
+             ckpt_path: Path, steps: int, args: argparse.Namespace, desc: str) -> int:
     """Train `module` (AdamW, warmup + cosine, clipped) on random batches of (h, y) rows; checkpointed every 200
-    steps, resumable with the same batches, stopped early by --max-minutes. Returns (steps done, loss history)."""
+    steps (with the loss history), resumable with the same batches, stopped early by --max-minutes. Returns the
+    steps done."""
     from tqdm import tqdm
 
     module.requires_grad_(True).train()
-    decay = [p for n, p in module.named_parameters() if p.ndim == 2]  # matrices decay; norms and biases do not
-    no_decay = [p for n, p in module.named_parameters() if p.ndim != 2]
+    decay = [p for p in module.parameters() if p.ndim == 2]  # matrices decay; norms and biases do not
+    no_decay = [p for p in module.parameters() if p.ndim != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     step, history = 0, []
@@ -273,7 +274,7 @@ def optimise(module: torch.nn.Module, losses_of: Any, h_all: torch.Tensor, y_all
     bar.close()
     checkpoint()
     module.eval().requires_grad_(False)
-    return step, history
+    return step
 
 
 def load_hidden(data: Path) -> dict[str, Any]:
@@ -293,7 +294,7 @@ def stage_train(args: argparse.Namespace, data: Path) -> None:
     vocab = head_vocab(y_all[:, 1:], args.head_vocab, model.cfg.vocab_size)
     remap = remap_for(vocab, model.cfg.vocab_size)
     heads = DraftHeads.initial(model, N_HEADS, vocab)
-    step, _ = optimise(heads, lambda h, y: head_losses(heads, model, h, y, remap), h_all, y_all,
+    step = optimise(heads, lambda h, y: head_losses(heads, model, h, y, remap), h_all, y_all,
                        data / "checkpoint.pt", args.steps, args, "training heads")
     n_train = int((y_all[:, 1] >= 0).sum())
     save_heads(heads, out_path(args), model, args.model, {"steps": step, "train_tokens": n_train})
@@ -313,16 +314,16 @@ def stage_root(args: argparse.Namespace, data: Path) -> None:
     heads = load_heads(out, model, args.model)
     heads.add_root_head(model, args.root_width)
     remap = remap_for(heads.vocab, model.cfg.vocab_size)
-    root = heads.root
-    step, _ = optimise(root, lambda h, y: root_loss(heads, model, h, y, remap), h_all, y_all,
-                       data / "root_checkpoint.pt", args.root_steps, args, "training root head")
+    step = optimise(heads.root, lambda h, y: root_loss(heads, model, h, y, remap), h_all, y_all,
+                    data / "root_checkpoint.pt", args.root_steps, args, "training root head")
     # trained over the heads' vocabulary, it then keeps only the rows of the ids written most (heads.RootHead)
-    kept = head_vocab(y_all[:, 1][torch.isin(y_all[:, 1], heads.vocab)], args.root_vocab, len(heads.vocab))
+    targets = y_all[:, 1]
+    if heads.vocab.numel():
+        targets = targets[torch.isin(targets, heads.vocab)]
+    kept = head_vocab(targets, args.root_vocab, len(heads.vocab) or model.cfg.vocab_size)
     if kept is not None:
         heads.keep_root_ids(kept)
-    meta = {k: v for k, v in heads.meta.items() if k not in ("format", "base_model", "fingerprint", "n_heads",
-                                                              "hidden_size")}
-    save_heads(heads, out, model, args.model, {**meta, "root_steps": step, "root_width": args.root_width,
+    save_heads(heads, out, model, args.model, {**heads.meta, "root_steps": step, "root_width": args.root_width,
                                                "root_vocab": len(heads.root_ids)})
 
 

@@ -1,0 +1,36 @@
+"""The head-training pipeline end to end on a tiny random model: every stage, the root head restricted to its ids,
+the card, and resuming where a run stopped."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from core.__main__ import main
+from core.heads import load_heads
+from core.loading import load_model
+from tests.conftest import make_tiny_checkpoint
+
+
+def test_pipeline_trains_heads_and_root_head_and_resumes(tmp_path: Path) -> None:
+    folder = make_tiny_checkpoint(tmp_path / "m", seed=0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write story {i}."}) + "\n" for i in range(10)))
+    out, data = tmp_path / "h.safetensors", tmp_path / "data"
+    args = ["train-heads", "--model", str(folder), "--prompts", str(prompts), "--data-dir", str(data), "--out", str(out),
+            "--gen-tokens", "24", "--steps", "20", "--batch-tokens", "64", "--warmup", "5", "--head-vocab", "64",
+            "--root-width", "32", "--root-vocab", "16"]
+    assert main([*args, "--root-steps", "20"]) == 0
+    hidden = torch.load(data / "hidden.pt")
+    y = hidden["train"]["y"]
+    assert y.shape[1] == 4 and bool((y[:-1, 1] == y[1:, 0])[y[1:, 0] >= 0].float().mean() > 0.9)  # t+2 is next's t+1
+    heads = load_heads(out, load_model(str(folder)).model)
+    assert heads.vocab.numel() == 64 and heads.root is not None and heads.root.up.out_features == 32
+    assert len(heads.root_ids) == 16 and bool(torch.isin(heads.root_ids, heads.vocab).all())
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["root_head"]["steps"] == 20 and card["root_head"]["vocab"] == 16 and "--root-vocab 16" in card["command"]
+    # a longer root run resumes from the checkpoint instead of starting over
+    assert main([*args, "--root-steps", "30", "--stage", "root"]) == 0
+    assert torch.load(data / "root_checkpoint.pt")["step"] == 30
+    assert load_heads(out, load_model(str(folder)).model).meta["root_steps"] == "30"
