@@ -20,7 +20,9 @@ What the UI sees (all through storage):
 Chunked runs (`time_budget_s`): when the budget is spent the output so far is flushed and the run stays "running"
 (owned by this worker id); the next `process_one` call finds it first and continues it with its own stored token
 ids as `resume_ids`. Sampling is position-keyed, so the chunks add up to exactly the uninterrupted output. A resume
-run ("resume" mode) works the same way with the token ids of the runs it resumes (app.jobs.resume_chain).
+run ("resume" mode) works the same way with the token ids of the runs it resumes (app.jobs.resume_chain). A run's
+stored text is its ids decoded, less a character its last ids leave unfinished: that character is written by the
+run that resumes it.
 """
 from __future__ import annotations
 
@@ -476,9 +478,9 @@ class Worker:
                         paused = True
                         break
                 steps.close()  # type: ignore[attr-defined]
-                if gen.stop_reason == "cancelled":
-                    # Text held back for an incomplete character: keep it so the text matches the token ids.
-                    pending.text.append(gen.tail)
+                # A run that ends early (stopped, interrupted, failed) can be resumed, so the bytes of a character
+                # it left unfinished (U+FFFD) are not stored as text: the resume's stream is seeded with
+                # these ids and writes the whole character, keeping the chapter equal to the decoded ids.
                 flush()
         except st.StorageError as e:
             if st.get_run(self.db, run.id).status != "running":  # cancelled-and-ended, or flagged interrupted

@@ -127,7 +127,6 @@ class Generation:
         self.stream = TextStream(engine.tokenizer)
         self.steps: list[Step] = []
         self.n_resumed = len(resume_ids)
-        self.tail = ""
         self.text = self.stream.push(list(resume_ids))  # the output text so far, as streamed
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -224,9 +223,10 @@ class Generation:
         return window[:min(hits)][len(self.text) - start:]
 
     def finish(self) -> Result:
-        # A character held back when the loop ended early (cancel, error): not in any step's text.
-        self.tail = "" if self.stop_reason == "stop_string" else self.stream.flush()
-        self.text += self.tail
+        # The result's text is whole: it adds a character held back when the loop ended early (cancel, error),
+        # which no step's text holds (the worker leaves it out of a resumable run's stored text).
+        if self.stop_reason != "stop_string":
+            self.text += self.stream.flush()
         self.result = Result(self.tokens[len(self.prompt_ids):], self.text, len(self.prompt_ids), self.prefill_s,
                              self.decode_s, self.stop_reason or "length", self.steps, self.n_resumed)
         return self.result
