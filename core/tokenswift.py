@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
+from core.calibration import DraftCalibrator
 from core.kv_cache import PartialKVCache
 from core.ngram import NGramTable
 from core.tree import HEADS, NGRAM, Tree, TreeBuilder
@@ -49,6 +50,7 @@ class TokenSwiftOptions:
     ngram_topk: int = 20
     ngram_lag: int = 0  # index all but the last `ngram_lag` tokens (the paper lags by its penalty window, 1024)
     ngram_weight: float = 1.0  # scales the n-gram chains' acceptance estimate against the heads'
+    calibrate: bool = True  # score first-level drafts by their measured rate of being drawn (core/calibration.py)
     kv_budget: int = 4096  # partial KV cache of the separate draft pass
 
     def validate(self) -> "TokenSwiftOptions":
@@ -81,17 +83,19 @@ def default_min_draft_score(device: torch.device, compiled: bool) -> float:
     """The least estimated chance of acceptance for which verifying a draft pays.
 
     A 2-node tree yields 1 + p tokens for a cost c(2) against 1 token for 1, so a draft pays iff p > c(2) - 1: on
-    this CPU, compiled, c(2) - 1 is 0.16 at 1024 cached tokens and 0.32 at 7000, and the estimates run ~1.4x high
-    (a root-head draft scored 0.9 is right ~2/3 of the time), hence 0.35. Eagerly c(n) is not even monotonic in n,
-    and on a GPU extra tokens are nearly free: there, every draft the budget allows is verified.
+    this CPU, compiled, c(2) - 1 is 0.16 at 1024 cached tokens and 0.32 at 7000, hence 0.25 (p is the calibrated
+    chance, core/calibration.py). Eagerly c(n) is not even monotonic in n, and on a GPU extra tokens are nearly
+    free: there, every draft the budget allows is verified.
     """
-    return 0.35 if device.type == "cpu" and compiled else 0.0
+    return 0.25 if device.type == "cpu" and compiled else 0.0
 
 
 def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
-               backbone: Tensor | None, table: NGramTable) -> Tree:
+               backbone: Tensor | None, table: NGramTable,
+               calibrator: DraftCalibrator | None = None) -> tuple[Tree, list[tuple[int, float, int]]]:
     """Merge the model's drafts (draft_candidates) and the n-gram table's continuations below the root (the last
-    token of `gen`) into one budgeted trie."""
+    token of `gen`) into one budgeted trie, scored by the calibrator's chances if given. Also returns the first-level
+    drafts as proposed (token, score, sources), for the calibrator to learn from once the step is drawn."""
     opt = engine.options
     root = gen.tokens[-1]
     depth = opt.tree_budget - 1  # no deeper draft fits the tree
@@ -107,7 +111,8 @@ def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, 
         for cont, count in table.topk(key, opt.ngram_topk):
             score = base * min(1.0, opt.ngram_weight * count / (total + 1))
             builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont), NGRAM)
-    return builder.build(opt.tree_budget, opt.min_draft_score or 0.0)
+    proposed = builder.recalibrate(calibrator.chance) if calibrator is not None else []
+    return builder.build(opt.tree_budget, opt.min_draft_score or 0.0), proposed
 
 
 def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
@@ -170,6 +175,7 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
     table = NGramTable(opt.ngram_n)
     table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
     partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
+    calibrator = DraftCalibrator() if opt.calibrate else None
 
     # The first token comes from the prefill, like vanilla decoding's.
     t0 = time.perf_counter()
@@ -188,7 +194,7 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
             # the backbone drafts the token after the root; the heads, read at the root, the ones after that
             backbone, h_last = draft_logits[0], draft_hidden[0]
             head_logits = None if draft_heads is None else draft_heads[:, 0]
-        tree = draft_tree(engine, gen, head_logits, h_last, backbone, table)
+        tree, proposed = draft_tree(engine, gen, head_logits, h_last, backbone, table, calibrator)
         logits, hidden, tree_heads = engine.forward_with_heads(
             torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
         node, path, accepted_nodes = 0, [], []
@@ -201,6 +207,8 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
             path.append(token)
             accepted_nodes.append(node)
         cache.keep([0] + accepted_nodes)
+        if calibrator is not None:  # every first-level draft learns whether it was the token drawn after the root
+            calibrator.observe(proposed, path[0] if path else token)
         # fused mode drafts the next step from the last accepted node
         h_last, head_logits = hidden[node], None if tree_heads is None else tree_heads[:, node]
         from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)

@@ -8,6 +8,7 @@ prefix-closed because a child never outranks its parent.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +92,23 @@ class TreeBuilder:
                 expand(prefix + [token], scores + [s], depth + 1)
 
         expand([], [], 0)
+
+    def recalibrate(self, chance: Callable[[float, int], float]) -> list[tuple[int, float, int]]:
+        """Replace each first-level node's score by `chance(score, sources)` and scale the paths below it alike.
+        Returns the first-level drafts as proposed: (token, score, sources)."""
+        proposed = [(self.tokens[i], self.scores[i], self.sources[i]) for i in range(1, len(self.tokens))
+                    if self.depths[i] == 1]
+        factor = [1.0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):  # parents come before their children
+            parent = self.parents[i]
+            if parent == 0:
+                new = chance(self.scores[i], self.sources[i])
+                factor[i] = new / self.scores[i] if self.scores[i] > 0 else 1.0
+                self.scores[i] = new
+            else:
+                factor[i] = factor[parent]
+                self.scores[i] = min(self.scores[i] * factor[i], self.scores[parent])
+        return proposed
 
     def build(self, budget: int, min_score: float = 0.0) -> Tree:
         """The root plus the `budget - 1` best nodes scoring at least `min_score`, parents before children."""

@@ -115,3 +115,25 @@ def test_root_head_gets_more_drafts_accepted(smol_engine, heads) -> None:
     assert runs[True].token_ids == runs[False].token_ids
     accepted = {k: sum(s.accepted for s in r.steps) for k, r in runs.items()}
     assert accepted[True] >= 1.3 * accepted[False], accepted
+
+
+def test_calibration_verifies_fewer_drafts_that_fail(smol_engine, heads) -> None:
+    """Paper sampling makes the drafters' scores run high: calibrated, the gate verifies fewer drafts that are then
+    rejected (102 against 151 over 300 tokens when written), keeps most accepted ones, and the text is the same."""
+    from core.decoding import GenerationConfig
+    from core.engine import Engine
+    from core.sampling import PRESETS
+    from core.text import encode_prompt
+    from core.tokenswift import TokenSwiftOptions
+
+    ids = encode_prompt(smol_engine.tokenizer, "Write the opening of a novel about a lighthouse keeper.")
+    config = GenerationConfig(max_new_tokens=300, method="tokenswift", sampling=PRESETS["paper"], ignore_eos=True)
+    runs = {}
+    for calibrate in (True, False):
+        options = TokenSwiftOptions(tree_budget=2, min_draft_score=0.25, calibrate=calibrate)
+        runs[calibrate] = Engine(smol_engine.loaded, heads, options).generate(ids, config).run()
+    assert runs[True].token_ids == runs[False].token_ids
+    failed = {k: sum(1 for s in r.steps if s.tree_size > 1 and not s.accepted) for k, r in runs.items()}
+    accepted = {k: sum(s.accepted for s in r.steps) for k, r in runs.items()}
+    assert failed[True] <= 0.8 * failed[False], (failed, accepted)
+    assert accepted[True] >= 0.6 * accepted[False], (failed, accepted)
