@@ -3,9 +3,9 @@
 A drafter's score is a ranking, not a probability: the heads' noised softmax runs high with the paper's sampling and
 an n-gram's count / (total + 1) depends on how repetitive the text is. Each step's outcome is known for every
 first-level draft, verified or not (the token after the root is drawn in any case), so each generation learns, per
-source and score bin, the real rate at which such drafts are drawn. The rate starts at the raw score (a prior worth
-PRIOR observations) and moves to the measured rate as the bin fills. Only which drafts get verified depends on it, never the
-tokens written, so losslessness is untouched.
+source and score bin, the real rate at which such drafts are drawn. The estimate starts at the raw score (a prior
+worth PRIOR observations) and moves to the measured rate as the bin fills. Only which drafts get verified depends on
+it, never the tokens written, so losslessness is untouched.
 """
 from __future__ import annotations
 

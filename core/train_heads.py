@@ -7,9 +7,13 @@ stages, caching their products outside git (`--data-dir`, default under TOKENSWI
 2. hidden: the frozen model's pre-final-norm hidden states at every output position (what the heads read).
 3. train: the heads alone, loss = sum of the cross-entropies for tokens t+2, t+3, t+4 (AdamW, warmup + cosine, as in
    the paper), over the heads' vocabulary (the ids the model writes most); checkpointed, resumable, time-budgeted.
-4. root: the root head (core/heads.py) on the same rows, predicting t+2 from the hidden state and the token t+1;
-   the same optimiser and checkpointing; saved into the heads' file.
-5. eval: per-head top-1/top-3 accuracy on held-out prompts' text; a JSON card is written beside the heads.
+4. root: the root head (core/heads.py) on the same rows, predicting t+2 from the hidden state and the token t+1,
+   distilled from the model's own distribution for t+2 (read from the next row's hidden state, at the studio
+   temperature): a whole distribution per row teaches more than the one token sampled from it, and what decides a
+   draft's acceptance is how well it matches that distribution under the sampler's noise. Same optimiser and
+   checkpointing; saved into the heads' file.
+5. eval: per-head top-1/top-3 accuracy on held-out prompts' text, and the root head's rate of drafting the very token
+   the sampler draws with the same noise; a JSON card is written beside the heads.
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root-width", type=int, default=1152, help="hidden width of the root head (0 = none)")
     p.add_argument("--root-steps", type=int, default=1500)
     p.add_argument("--root-vocab", type=int, default=2048, help="ids the root head keeps after training (0 = all)")
+    p.add_argument("--distill-temperature", type=float, default=0.7,
+                   help="the root head learns the model's distribution at this temperature (0 = the sampled token)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (checkpointed) after this long")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -219,17 +225,34 @@ def head_losses(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap:
     return torch.stack([F.cross_entropy(logits[k], targets[k], ignore_index=-1) for k in range(logits.shape[0])])
 
 
-def root_loss(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
-    """Cross-entropy of the root head: token t+2 from the hidden state at t and the token t+1 (y[:, 0])."""
+def root_loss(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: torch.Tensor | None,
+              h_next: torch.Tensor | None = None, temperature: float = 0.0) -> torch.Tensor:
+    """Loss of the root head predicting token t+2 from the hidden state at t and the token t+1 (y[:, 0]): the
+    cross-entropy against the model's own distribution for t+2 at `temperature` (from h_next, the hidden state at
+    t+1), or, with temperature 0, against the sampled token."""
     logits = heads.root_logits(h, y[:, 0].clamp(min=0), model)
-    return F.cross_entropy(logits, to_vocab(y[:, 1].masked_fill(y[:, 0] < 0, -1), remap), ignore_index=-1)[None]
+    if temperature <= 0 or h_next is None:
+        return F.cross_entropy(logits, to_vocab(y[:, 1].masked_fill(y[:, 0] < 0, -1), remap), ignore_index=-1)[None]
+    valid = (y[:, 0] >= 0) & (y[:, 1] >= 0)  # rows whose next row is the same text's position t+1
+    if not valid.any():
+        return logits.sum()[None] * 0.0
+    with torch.no_grad():
+        target = (model_logits(model, h_next[valid], heads.root_ids) / temperature).softmax(-1)
+    log_q = (logits[valid] / temperature).log_softmax(-1)
+    return -(target * log_q).sum(-1).mean()[None]
 
 
-def optimise(module: torch.nn.Module, losses_of: Any, h_all: torch.Tensor, y_all: torch.Tensor,
-             ckpt_path: Path, steps: int, args: argparse.Namespace, desc: str) -> int:
-    """Train `module` (AdamW, warmup + cosine, clipped) on random batches of (h, y) rows; checkpointed every 200
-    steps (with the loss history), resumable with the same batches, stopped early by --max-minutes. Returns the
-    steps done."""
+def model_logits(model: Any, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own logits from pre-final-norm hidden states, over `ids` (empty: the whole vocabulary)."""
+    rows = model.lm_head.weight[ids] if ids.numel() else model.lm_head.weight
+    return F.linear(model.norm(h), rows).float()
+
+
+def optimise(module: torch.nn.Module, losses_of: Any, n_rows: int, ckpt_path: Path, steps: int,
+             args: argparse.Namespace, desc: str) -> int:
+    """Train `module` (AdamW, warmup + cosine, clipped) on random batches of row indices (`losses_of(idx)` gives the
+    losses); checkpointed every 200 steps (with the loss history), resumable with the same batches, stopped early by
+    --max-minutes. Returns the steps done."""
     from tqdm import tqdm
 
     module.requires_grad_(True).train()
@@ -245,7 +268,7 @@ def optimise(module: torch.nn.Module, losses_of: Any, h_all: torch.Tensor, y_all
         step, history = ckpt["step"], ckpt["history"]
     gen = torch.Generator().manual_seed(args.seed)
     for _ in range(step):  # the same batches as an uninterrupted run
-        torch.randint(len(h_all), (args.batch_tokens,), generator=gen)
+        torch.randint(n_rows, (args.batch_tokens,), generator=gen)
     deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
     bar = tqdm(total=steps, initial=step, desc=desc, unit="step")
 
@@ -254,10 +277,10 @@ def optimise(module: torch.nn.Module, losses_of: Any, h_all: torch.Tensor, y_all
                    ckpt_path)
 
     while step < steps:
-        idx = torch.randint(len(h_all), (args.batch_tokens,), generator=gen)
+        idx = torch.randint(n_rows, (args.batch_tokens,), generator=gen)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args, steps)
-        losses = losses_of(h_all[idx].float(), y_all[idx])
+        losses = losses_of(idx)
         opt.zero_grad(set_to_none=True)
         losses.sum().backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
@@ -294,8 +317,8 @@ def stage_train(args: argparse.Namespace, data: Path) -> None:
     vocab = head_vocab(y_all[:, 1:], args.head_vocab, model.cfg.vocab_size)
     remap = remap_for(vocab, model.cfg.vocab_size)
     heads = DraftHeads.initial(model, N_HEADS, vocab)
-    step = optimise(heads, lambda h, y: head_losses(heads, model, h, y, remap), h_all, y_all,
-                       data / "checkpoint.pt", args.steps, args, "training heads")
+    step = optimise(heads, lambda idx: head_losses(heads, model, h_all[idx].float(), y_all[idx], remap), len(h_all),
+                    data / "checkpoint.pt", args.steps, args, "training heads")
     n_train = int((y_all[:, 1] >= 0).sum())
     save_heads(heads, out_path(args), model, args.model, {"steps": step, "train_tokens": n_train})
 
@@ -314,8 +337,14 @@ def stage_root(args: argparse.Namespace, data: Path) -> None:
     heads = load_heads(out, model, args.model)
     heads.add_root_head(model, args.root_width)
     remap = remap_for(heads.vocab, model.cfg.vocab_size)
-    step = optimise(heads.root, lambda h, y: root_loss(heads, model, h, y, remap), h_all, y_all,
-                    data / "root_checkpoint.pt", args.root_steps, args, "training root head")
+    last = len(h_all) - 1
+
+    def losses_of(idx: torch.Tensor) -> torch.Tensor:
+        h_next = h_all[(idx + 1).clamp(max=last)].float()
+        return root_loss(heads, model, h_all[idx].float(), y_all[idx], remap, h_next, args.distill_temperature)
+
+    step = optimise(heads.root, losses_of, len(h_all), data / "root_checkpoint.pt", args.root_steps, args,
+                    "training root head")
     # trained over the heads' vocabulary, it then keeps only the rows of the ids written most (heads.RootHead)
     targets = y_all[:, 1]
     if heads.vocab.numel():
@@ -370,6 +399,27 @@ def root_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> d
     return {"top1": round(hits1 / count, 4), "top3": round(hits3 / count, 4)}
 
 
+@torch.no_grad()
+def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, temperature: float,
+                    seed: int = 0) -> float:
+    """How often the root head's draft, ranked with the sampler's Gumbel noise (heads.candidates), is the very token
+    the sampler draws from the model's distribution at `temperature` with that noise: the acceptance rate of its
+    drafts, up to the sampler's filters and penalty."""
+    gen = torch.Generator().manual_seed(seed)
+    hits = count = 0
+    rows = torch.nonzero((y[:, 0] >= 0) & (y[:, 1] >= 0)).squeeze(1)
+    for c in range(0, len(rows), 2048):
+        r = rows[c:c + 2048]
+        drawn_from = model_logits(model, h[r + 1].float(), torch.empty(0, dtype=torch.long))
+        noise = -torch.log(-torch.log(torch.rand(drawn_from.shape, generator=gen).clamp(min=1e-20)))
+        drawn = (drawn_from / temperature + noise).argmax(-1)
+        draft, _ = heads.candidates(heads.root_logits(h[r].float(), y[r, 0], model), 1, noise, temperature,
+                                    heads.root_ids)
+        hits += int((draft[:, 0] == drawn).sum())
+        count += len(r)
+    return round(hits / count, 4)
+
+
 def stage_eval(args: argparse.Namespace, data: Path) -> None:
     from core.heads import load_heads
     from core.loading import load_model
@@ -409,18 +459,27 @@ def stage_eval(args: argparse.Namespace, data: Path) -> None:
                      "optimizer": "AdamW(0.9, 0.95)", "final_loss_per_head": final, "seed": args.seed},
         "held_out_accuracy": {f"head{k + 1} (t+{k + 2})": a for k, a in enumerate(acc)},
         "command": "python -m core train-heads --model {m} --gen-tokens {g} --steps {s} --batch-tokens {b} "
-                   "--lr {lr} --head-vocab {v} --root-width {w} --root-steps {rs} --root-vocab {rv}".format(
+                   "--lr {lr} --head-vocab {v} --root-width {w} --root-steps {rs} --root-vocab {rv} "
+                   "--distill-temperature {dt}".format(
                        m=args.model, g=args.gen_tokens, s=args.steps, b=args.batch_tokens, lr=args.lr,
-                       v=args.head_vocab, w=args.root_width, rs=args.root_steps, rv=args.root_vocab),
+                       v=args.head_vocab, w=args.root_width, rs=args.root_steps, rv=args.root_vocab,
+                       dt=args.distill_temperature),
     }
     if heads.root is not None:
         root_ckpt = torch.load(data / "root_checkpoint.pt")
         card["architecture"] += ("; root head: state = h + W_down SiLU(W_up [RMSNorm(h); RMSNorm(embed(root))]), "
                                  "logits = lm_head(post-norm(state)), predicts t+2 knowing the token t+1")
         card["root_head"] = {"width": args.root_width, "steps": root_ckpt["step"], "vocab": len(heads.root_ids),
+                             "distill_temperature": args.distill_temperature,
                              "final_loss": final_losses(root_ckpt["history"])[0],
-                             "held_out_accuracy (t+2)": root_accuracy(heads, lm.model, h_eval, y_eval)}
-    out.with_suffix(".json").write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
+                             "held_out_accuracy (t+2)": root_accuracy(heads, lm.model, h_eval, y_eval),
+                             "held_out_drawn_rate (T=0.7)": root_drawn_rate(heads, lm.model, h_eval, y_eval, 0.7)}
+    card_path = out.with_suffix(".json")
+    if card_path.exists():  # a note written by hand about the data survives a re-evaluation
+        note = json.loads(card_path.read_text()).get("data", {}).get("note")
+        if note:
+            card["data"]["note"] = note
+    card_path.write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
     print(json.dumps({**card["held_out_accuracy"], **card.get("root_head", {})}, indent=1))
 
 

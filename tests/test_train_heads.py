@@ -30,6 +30,9 @@ def test_pipeline_trains_heads_and_root_head_and_resumes(tmp_path: Path) -> None
     assert len(heads.root_ids) == 16 and bool(torch.isin(heads.root_ids, heads.vocab).all())
     card = json.loads(out.with_suffix(".json").read_text())
     assert card["root_head"]["steps"] == 20 and card["root_head"]["vocab"] == 16 and "--root-vocab 16" in card["command"]
+    # distilled from the model's distribution by default, and the rate at which its drafts are drawn is measured
+    assert card["root_head"]["distill_temperature"] == 0.7 and "--distill-temperature 0.7" in card["command"]
+    assert 0.0 <= card["root_head"]["held_out_drawn_rate (T=0.7)"] < 1.0
     # a longer root run resumes from the checkpoint instead of starting over
     assert main([*args, "--root-steps", "30", "--stage", "root"]) == 0
     assert torch.load(data / "root_checkpoint.pt")["step"] == 30
