@@ -118,8 +118,8 @@ def test_root_head_gets_more_drafts_accepted(smol_engine, heads) -> None:
 
 
 def test_calibration_verifies_fewer_drafts_that_fail(smol_engine, heads) -> None:
-    """Paper sampling makes the drafters' scores run high: calibrated, the gate verifies fewer drafts that are then
-    rejected (102 against 151 over 300 tokens when written), keeps most accepted ones, and the text is the same."""
+    """Paper sampling makes the drafters' raw scores run high: calibrated, the gate verifies fewer drafts that are
+    then rejected, keeps most accepted ones, and the text is the same."""
     from core.decoding import GenerationConfig
     from core.engine import Engine
     from core.sampling import PRESETS
