@@ -37,7 +37,7 @@ def add_tokenswift_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-topk", type=int, default=None,
                    help="n-gram continuations proposed per key (default 20; 0 turns token reuse off)")
     p.add_argument("--min-draft-score", type=float, default=None,
-                   help="verify only drafts whose estimated chance is at least this (default: 0.35 on a CPU with "
+                   help="verify only drafts whose calibrated chance is at least this (default: 0.25 on a CPU with "
                         "--compile, else 0)")
 
 
