@@ -410,7 +410,7 @@ def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, te
     rows = torch.nonzero((y[:, 0] >= 0) & (y[:, 1] >= 0)).squeeze(1)
     for c in range(0, len(rows), 2048):
         r = rows[c:c + 2048]
-        drawn_from = model_logits(model, h[r + 1].float(), torch.empty(0, dtype=torch.long))
+        drawn_from = model.logits(h[r + 1].float())
         noise = -torch.log(-torch.log(torch.rand(drawn_from.shape, generator=gen).clamp(min=1e-20)))
         drawn = (drawn_from / temperature + noise).argmax(-1)
         draft, _ = heads.candidates(heads.root_logits(h[r].float(), y[r, 0], model), 1, noise, temperature,
