@@ -20,11 +20,11 @@ from torch import Tensor
 
 from core.heads import DraftHeads
 from core.kv_cache import KVCache, PartialKVCache
-from core.model import Transformer, attention, rotate
+from core.model import Transformer, attention, attention_bias, rotate
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
-# The cache and mask of the forward in progress. The graph cannot take them as inputs (a Python object, and a tensor
+# The cache and attention bias of the forward in progress. The graph cannot take them as inputs (a Python object, and a tensor
 # whose shape changes every step), so the attention op reads them here. One forward runs at a time per process.
 _ACTIVE: dict[str, object] = {}
 
@@ -33,7 +33,7 @@ _ACTIVE: dict[str, object] = {}
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
     cache = _ACTIVE["cache"]
     keys, values = cache.write(layer, q, k, v)  # type: ignore[attr-defined]
-    out = attention(q, keys, values, _ACTIVE["mask"])  # type: ignore[arg-type]
+    out = attention(q, keys, values, _ACTIVE["bias"])  # type: ignore[arg-type]
     return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
@@ -74,16 +74,26 @@ def configure_inductor() -> None:
 
 class CompiledRunner:
     def __init__(self, model: Transformer, heads: DraftHeads | None = None, sizes: tuple[int, ...] = SIZES,
-                 mode: str = "max-autotune"):
+                 mode: str = "max-autotune", root: DraftHeads | None = None):
+        """`heads`: drafting heads whose logits every forward computes; `root`: heads whose root head gets a
+        one-row graph of its own (it runs between forwards, once the root is drawn)."""
         configure_inductor()
         self.model = model
         self.heads = heads
+        self.root = root
         self.sizes = sizes
+        # build the heads' lm_head rows now: built inside a trace, they would force a recompile
         if heads is not None:
-            heads.lm_weight(model)  # build the heads' lm_head rows now: built inside a trace, they'd force a recompile
+            heads.lm_weight(model)
+        if root is not None:
+            root.root_lm_weight(model)
         self._fn = torch.compile(lambda t, c, s: dense_forward(model, heads, t, c, s), mode=mode, fullgraph=True,
                                  dynamic=False)
+        # Eagerly the root head costs ~1 ms a step on a CPU, mostly per-op overhead and cold weights; compiled ~0.5.
+        self._root_fn = None if root is None else torch.compile(
+            lambda h, r: root.root_logits(h, r, model), mode=mode, fullgraph=True, dynamic=False)
         self.ready: set[int] = set()  # sizes whose graphs are compiled
+        self.root_ready = False
 
     def bucket(self, n: int) -> int | None:
         """The graph size a forward of n tokens should have (the one to warm up for it)."""
@@ -94,9 +104,19 @@ class CompiledRunner:
         costs less than running eagerly), or None (eager)."""
         return min((s for s in self.ready if s >= n), default=None)
 
-    def warm_up(self, sizes: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None) -> float:
-        """Compile the graphs for `sizes` now (minutes the first time, seconds from the disk cache)."""
+    def warm_up(self, sizes: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
+                root: bool = False) -> float:
+        """Compile the graphs for `sizes` (and the root head's, if `root`) now: minutes the first time, seconds
+        from the disk cache."""
         t0 = time.perf_counter()
+        if root and self._root_fn is not None and not self.root_ready:
+            if progress:
+                progress("compiling the root head")
+            self.root_ready = True
+            device = self.model.device
+            with torch.inference_mode():
+                self.root_logits(torch.zeros(1, self.model.cfg.hidden_size, dtype=self.model.dtype, device=device),
+                                 torch.zeros(1, dtype=torch.long, device=device))
         for size in sizes or self.sizes:
             if progress:
                 progress(f"compiling the {size}-token graph")
@@ -125,12 +145,20 @@ class CompiledRunner:
                                                                                 device=tokens.device).tril_()
             block_mask = full
         cache.begin(size)
-        mask = cache.attention_mask(size, block_mask, positions, self.model.cfg.sliding_window)
+        cfg = self.model.cfg
+        mask = cache.attention_mask(size, block_mask, positions, cfg.sliding_window)
         cos, sin = self.model.rope(positions)
-        _ACTIVE["cache"], _ACTIVE["mask"] = cache, mask
+        bias = attention_bias(mask, cfg.n_heads // cfg.n_kv_heads, self.model.dtype)
+        _ACTIVE["cache"], _ACTIVE["bias"] = cache, bias
         try:
             logits, hidden, head_logits = self._fn(tokens, cos, sin)
         finally:
             _ACTIVE.clear()
         cache.n_new = n  # padding rows were written past the real ones; commit() must not keep them
         return logits[:n], hidden[:n], (head_logits[:, :n] if head_logits is not None else None)
+
+    def root_logits(self, h0: Tensor, roots: Tensor) -> Tensor | None:
+        """DraftHeads.root_logits of one row through its graph; None if that graph is not compiled."""
+        if not self.root_ready or self._root_fn is None or h0.shape[0] != 1:
+            return None
+        return self._root_fn(h0, roots)

@@ -42,7 +42,8 @@ class Engine:
         if compile:
             from core.compiled import CompiledRunner
 
-            self.runner = CompiledRunner(self.model, heads if self.graph_heads else None)
+            self.runner = CompiledRunner(self.model, heads if self.graph_heads else None,
+                                         root=heads if self.root_drafting else None)
 
     @classmethod
     def load(cls, spec: str | None = None, heads: str | Path | None = "default", device: str | None = None,
@@ -60,13 +61,18 @@ class Engine:
         return cls(loaded, head_model, options, compile)
 
     @property
+    def root_drafting(self) -> bool:
+        """Whether the root head drafts the first token (fused mode, heads with a root head)."""
+        opt = self.options
+        return opt.draft_mode == "fused" and opt.root_head and self.heads is not None and self.heads.root is not None
+
+    @property
     def graph_heads(self) -> bool:
         """Whether the compiled forward computes the heads' logits for every row. Not when a 2-node tree drafts only
         the root head's token: reading the heads' lm_head rows would cost ~3% of a CPU step for nothing (drafting
         computes them from the hidden state if a variant needs them)."""
-        opt = self.options
-        root_only = (opt.draft_mode == "fused" and opt.root_head and opt.tree_budget is not None
-                     and opt.tree_budget <= 2 and self.heads is not None and self.heads.root is not None)
+        budget = self.options.tree_budget
+        root_only = self.root_drafting and budget is not None and budget <= 2
         return self.heads is not None and not root_only
 
     @property
@@ -87,11 +93,11 @@ class Engine:
         return max(budget, self.runner.bucket(budget) or 0, self.runner.graph_size(budget) or 0) + 1
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> float:
-        """Compile the graphs this engine's decoding uses (one token, and one tree); seconds spent."""
+        """Compile the graphs this engine's decoding uses (one token, one tree, the root head); seconds spent."""
         if self.runner is None:
             return 0.0
         sizes = {1, self.runner.bucket(self.options.tree_budget)}
-        return self.runner.warm_up(tuple(sorted(s for s in sizes if s)), progress)
+        return self.runner.warm_up(tuple(sorted(s for s in sizes if s)), progress, root=True)
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
                 block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:
@@ -112,6 +118,15 @@ class Engine:
                 return out
         logits, hidden = self.model(tokens, positions, cache, block_mask)
         return logits, hidden, (self.heads.logits(hidden, self.model) if self.heads is not None else None)
+
+    def root_logits(self, h0: Tensor, roots: Tensor) -> Tensor:
+        """The root head's logits (DraftHeads.root_logits), through its compiled graph when there is one."""
+        if self.runner is not None:
+            out = self.runner.root_logits(h0, roots)
+            if out is not None:
+                return out
+        assert self.heads is not None
+        return self.heads.root_logits(h0, roots, self.model)
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig, cancel: Callable[[], bool] | None = None,
                  resume_ids: list[int] = ()) -> Generation:  # type: ignore[assignment]

@@ -130,10 +130,14 @@ class DraftHeads(nn.Module):
     def root_logits(self, h0: Tensor, roots: Tensor, model: Transformer) -> Tensor:
         """[n, len(root_ids)] logits of the root head for hidden states h0 [n, hidden] followed by the tokens
         `roots` [n]."""
+        return torch.nn.functional.linear(self.root(h0, model.embed(roots)), self.root_lm_weight(model)).float()
+
+    def root_lm_weight(self, model: Transformer) -> Tensor:
+        """The lm_head rows the root head scores (cached)."""
         ids = self.root_ids
         if self._root_lm_rows is None or self._root_lm_rows.device != model.device:
             self._root_lm_rows = model.lm_head.weight[ids].contiguous() if ids.numel() else model.lm_head.weight
-        return torch.nn.functional.linear(self.root(h0, model.embed(roots)), self._root_lm_rows).float()
+        return self._root_lm_rows
 
     def candidates(self, logits: Tensor, k: int, noise: Tensor | None = None, temperature: float = 1.0,
                    ids: Tensor | None = None) -> tuple[Tensor, Tensor]:

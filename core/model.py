@@ -157,8 +157,20 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
-    """Attention of q [heads, n, d] over keys/values [kv_heads, L, d]; mask [n, L] bool (True = visible) or None.
+def attention_bias(mask: Tensor | None, group: int, dtype: torch.dtype) -> Tensor | None:
+    """The additive form (0 visible, -inf hidden) of a boolean mask [n, L], with each row repeated for the `group`
+    query heads that share a KV head: [group * n, L]. Built once per forward, not once per layer: on a CPU a masked
+    score matrix then costs one fused multiply-add (baddbmm) instead of a mask copy and a masked fill per layer,
+    a third of a 2-token attention at 8K cached tokens."""
+    if mask is None:
+        return None
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(group, 1)
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
+    """Attention of q [heads, n, d] over keys/values [kv_heads, L, d]; `bias` [group * n, L] is attention_bias's
+    additive mask (None: everything visible).
 
     The query heads that share a KV head are folded into its rows ([kv_heads, group * n, d]), so grouped-query
     attention needs no copies of the keys; PyTorch's `enable_gqa` path falls back to a slow kernel on CPU (10x at 4K
@@ -167,14 +179,14 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> T
     h, n, d = q.shape
     kv = keys.shape[0]
     qg = q.reshape(kv, (h // kv) * n, d)
-    mg = None if mask is None else mask.repeat(h // kv, 1)
     if q.device.type == "cpu":
-        scores = torch.matmul(qg, keys.transpose(1, 2)) * d**-0.5
-        if mg is not None:
-            scores = scores.masked_fill(~mg, float("-inf"))
+        if bias is None:
+            scores = torch.matmul(qg, keys.transpose(1, 2)).mul_(d**-0.5)
+        else:
+            scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=d**-0.5)
         out = torch.matmul(scores.softmax(-1), values)
     else:
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias)
     return out.view(h, n, d)
 
 
@@ -190,7 +202,8 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | PartialKVCache, layer: int, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | PartialKVCache, layer: int,
+                bias: Tensor | None) -> Tensor:
         cfg = self.cfg
         n = x.shape[0]
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -199,7 +212,7 @@ class Block(nn.Module):
         k = rotate(k.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1), cos, sin)
         v = v.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
         keys, values = cache.write(layer, q, k, v)
-        out = attention(q, keys, values, mask)
+        out = attention(q, keys, values, bias)
         x = x + self.wo(out.transpose(0, 1).reshape(n, q_dim))
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
@@ -246,10 +259,11 @@ class Transformer(nn.Module):
         n = tokens.shape[0]
         cache.begin(n)
         mask = cache.attention_mask(n, block_mask, positions, self.cfg.sliding_window)
+        bias = attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, self.dtype)
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
+            x = layer(x, cos, sin, cache, i, bias)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:

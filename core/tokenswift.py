@@ -147,7 +147,7 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
         return candidates
     if backbone is None and opt.root_head and heads.root is not None and depth > 0:
         # the root head predicts head 1's token knowing the root: nearly twice as often right
-        logits = heads.root_logits(h_last[None], torch.tensor([root], device=device), engine.model)
+        logits = engine.root_logits(h_last[None], torch.tensor([root], device=device))
         ids, p = heads.candidates(logits, opt.head_topk, noise(root_pos + 1, 1), temperature, heads.root_ids)
         candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
     # in fused mode head k predicts the k-th token after the root, in separate mode the (k+1)-th

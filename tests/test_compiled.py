@@ -64,3 +64,32 @@ def test_compiled_engine_is_lossless(tmp_path: Path) -> None:
     from lossless import assert_lossless
 
     assert_lossless(engine, ids, config)
+
+
+def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: Path) -> None:
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512, initializer_range=0.3)), device="cpu")
+    model = loaded.model
+    heads = DraftHeads.initial(model, root_width=32)
+    torch.nn.init.normal_(heads.root.down.weight, std=0.2)  # a root head that differs from the model's prediction
+    heads.keep_root_ids(torch.arange(0, 512, 3))
+    engine = Engine(loaded, heads, TokenSwiftOptions(tree_budget=2, min_draft_score=0.0), compile=True)
+    assert engine.root_drafting and not engine.graph_heads  # a 2-node tree drafts from the root head alone
+    engine.runner.sizes = (1, 2)
+    assert engine.runner.root_logits(torch.zeros(1, model.cfg.hidden_size), torch.tensor([1])) is None  # not compiled
+    engine.warm_up()
+    assert engine.runner.root_ready and engine.runner.ready == {1, 2}
+    h, roots = torch.randn(1, model.cfg.hidden_size), torch.tensor([7])
+    with torch.inference_mode():
+        compiled = engine.runner.root_logits(h, roots)
+        assert compiled is not None and compiled.shape == (1, len(heads.root_ids))
+        assert torch.allclose(compiled, heads.root_logits(h, roots, model), atol=1e-4, rtol=1e-4)
+    calls = []
+    graph = engine.runner._root_fn
+    engine.runner._root_fn = lambda *a: calls.append(1) or graph(*a)
+    ids = torch.randint(512, (25,), generator=torch.Generator().manual_seed(2)).tolist()
+    from lossless import assert_lossless
+
+    _, ts = assert_lossless(engine, ids, GenerationConfig(max_new_tokens=120, sampling=PRESETS["studio"],
+                                                         ignore_eos=True))
+    assert len(calls) == len(ts.steps) - 1  # every step after the first drafts through the root head's graph
+    assert all(s.tree_size == 2 for s in ts.steps[1:])
