@@ -111,7 +111,7 @@ class CompiledRunner:
         t0 = time.perf_counter()
         if root and self._root_fn is not None and not self.root_ready:
             if progress:
-                progress("compiling the root head")
+                progress("the root head")
             self.root_ready = True
             device = self.model.device
             with torch.inference_mode():
@@ -119,7 +119,7 @@ class CompiledRunner:
                                  torch.zeros(1, dtype=torch.long, device=device))
         for size in sizes or self.sizes:
             if progress:
-                progress(f"compiling the {size}-token graph")
+                progress(f"the {size}-token graph")
             cache = self.model.new_cache(size + 1)
             self.ready.add(size)
             with torch.inference_mode():
