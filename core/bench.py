@@ -8,9 +8,8 @@ at each shorter length are read off the same run (the time at which its L-th tok
 Methods: `hf` (transformers `generate` on the same weights), `hf-lookup` (its prompt-lookup decoding,
 prompt_lookup_num_tokens=10), `ar` (our vanilla decoding), `tokenswift` (the engine's settings), and variants of it
 that differ in one thing (VARIANTS): each draft mode explicitly, the ablations without the n-gram table, without
-the heads, or without the root head, one that verifies every draft however unlikely, one that gates drafts on
-their raw scores (the CPU default before calibration), and one with a fixed gate of 0.25 on calibrated chances (the
-CPU default before the gate measured c(2) as it runs).
+the heads, or without the root head, one that verifies every draft however unlikely, and one that gates drafts on
+their raw scores (the CPU default before calibration).
 """
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-no-heads": None,
     "tokenswift-always": {"min_draft_score": 0.0},
     "tokenswift-raw-gate": {"calibrate": False, "min_draft_score": 0.35},
-    "tokenswift-fixed-gate": {"min_draft_score": 0.25},
 }
 METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
 ROOT = Path(__file__).resolve().parent.parent

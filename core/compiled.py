@@ -24,8 +24,9 @@ from core.model import Transformer, attention, attention_bias, rotate
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
-# The cache and attention bias of the forward in progress. The graph cannot take them as inputs (a Python object, and a tensor
-# whose shape changes every step), so the attention op reads them here. One forward runs at a time per process.
+# The cache and attention bias of the forward in progress. The graph cannot take them as inputs (a Python object,
+# and a tensor whose shape changes every step), so the attention op reads them here. One forward runs at a time per
+# process.
 _ACTIVE: dict[str, object] = {}
 
 

@@ -132,7 +132,7 @@ class Generation:
         self.decode_s = 0.0
         self.stop_reason = ""
         self.result: Result | None = None
-        self.stats: dict[str, float] = {}  # method-specific figures (partial KV cache selections, measured c(2))
+        self.stats: dict[str, int] = {}  # method-specific counters (e.g. partial KV cache selections)
 
     # -- shared pieces ---------------------------------------------------------------------------------------------
 

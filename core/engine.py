@@ -34,9 +34,8 @@ class Engine:
         options = options or TokenSwiftOptions()
         if options.tree_budget is None:
             options = replace(options, tree_budget=default_tree_budget(self.model.device, compile))
-        if options.min_draft_score is None:  # may stay None: measured as decoding runs
-            options = replace(options, min_draft_score=default_min_draft_score(self.model.device,
-                                                                               options.tree_budget))
+        if options.min_draft_score is None:
+            options = replace(options, min_draft_score=default_min_draft_score(self.model.device, compile))
         self.options = options
         self.runner = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)

@@ -161,7 +161,7 @@ def attention_bias(mask: Tensor | None, group: int, dtype: torch.dtype) -> Tenso
     """The additive form (0 visible, -inf hidden) of a boolean mask [n, L], with each row repeated for the `group`
     query heads that share a KV head: [group * n, L]. Built once per forward, not once per layer: on a CPU a masked
     score matrix then costs one fused multiply-add (baddbmm) instead of a mask copy and a masked fill per layer,
-    a third of a 2-token attention at 8K cached tokens."""
+    a quarter of a 2-token attention at 8K cached tokens."""
     if mask is None:
         return None
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
-from core.calibration import DraftCalibrator, VerifyCost
+from core.calibration import DraftCalibrator
 from core.heads import rank_drafts
 from core.kv_cache import PartialKVCache
 from core.ngram import NGramTable
@@ -43,7 +43,7 @@ GAMMA = 4  # draft depth the paper's acceptance rate is normalised by
 class TokenSwiftOptions:
     draft_mode: str = "fused"
     tree_budget: int | None = None  # tree nodes (root included) verified per step; None: the device's default
-    min_draft_score: float | None = None  # drafts less likely than this are not verified; None: measured (see below)
+    min_draft_score: float | None = None  # drafts less likely than this are not verified; None: the device's default
     head_topk: int = 3  # candidates per head
     root_head: bool = True  # fused mode: the root head (if the heads have one) drafts the first token
     backbone_topk: int = 1  # depth-1 candidates from the draft pass (separate mode)
@@ -80,25 +80,25 @@ def default_tree_budget(device: torch.device, compiled: bool) -> int:
     return 2 if compiled else 4
 
 
-def default_min_draft_score(device: torch.device, tree_budget: int) -> float | None:
-    """The least estimated chance of acceptance for which verifying a draft pays; None: measured as it runs.
+def default_min_draft_score(device: torch.device, compiled: bool) -> float:
+    """The least estimated chance of acceptance for which verifying a draft pays.
 
-    A 2-node tree on a CPU verifies a draft iff its calibrated chance (core/calibration.py) exceeds c(2) - 1, with
-    c(2) timed on the generation's own forwards (VerifyCost): on the development CPU, compiled, that is 0.12 at 1K
-    cached tokens and 0.23 at 7K, and eagerly ~0.6. On a GPU extra tokens are nearly free (and its asynchronous
-    forwards cannot be timed without a sync), and larger trees are not modelled: every draft the budget allows is
-    verified.
+    A 2-node tree yields 1 + p tokens for a cost c(2) against 1 token for 1, so a draft pays iff p > c(2) - 1: on
+    this CPU, compiled, c(2) - 1 is 0.12 at 1024 cached tokens and 0.23 at 7000 (README, cost curve), and 0.25 is
+    the top of that range (p is the calibrated chance, core/calibration.py). Gating at the measured c(2) - 1 instead
+    lost with the paper's sampling (README): the calibrated chances of low-scored drafts still run high, so a gate
+    at the break-even verifies drafts that do not pay. Eagerly c(n) is not even monotonic in n, and on a GPU extra
+    tokens are nearly free: there, every draft the budget allows is verified.
     """
-    return None if device.type == "cpu" and tree_budget == 2 else 0.0
+    return 0.25 if device.type == "cpu" and compiled else 0.0
 
 
 def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
-               backbone: Tensor | None, table: NGramTable, calibrator: DraftCalibrator | None = None,
-               min_score: float = 0.0) -> tuple[Tree, list[tuple[int, float, int]]]:
+               backbone: Tensor | None, table: NGramTable,
+               calibrator: DraftCalibrator | None = None) -> tuple[Tree, list[tuple[int, float, int]]]:
     """Merge the model's drafts (draft_candidates) and the n-gram table's continuations below the root (the last
-    token of `gen`) into one budgeted trie of the drafts scoring at least `min_score`, scored by the calibrator's
-    chances if given. Also returns the first-level drafts as proposed (token, score, sources), for the calibrator to
-    learn from once the step is drawn."""
+    token of `gen`) into one budgeted trie, scored by the calibrator's chances if given. Also returns the first-level
+    drafts as proposed (token, score, sources), for the calibrator to learn from once the step is drawn."""
     opt = engine.options
     root = gen.tokens[-1]
     depth = opt.tree_budget - 1  # no deeper draft fits the tree
@@ -115,7 +115,7 @@ def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, 
             score = base * min(1.0, opt.ngram_weight * count / (total + 1))
             builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont), NGRAM)
     proposed = builder.recalibrate(calibrator.chance) if calibrator is not None else []
-    return builder.build(opt.tree_budget, min_score), proposed
+    return builder.build(opt.tree_budget, opt.min_draft_score or 0.0), proposed
 
 
 def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
@@ -177,7 +177,6 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
     table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
     partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
     calibrator = DraftCalibrator() if opt.calibrate else None
-    cost = VerifyCost() if opt.min_draft_score is None else None
 
     # The first token comes from the prefill, like vanilla decoding's.
     t0 = time.perf_counter()
@@ -196,14 +195,9 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
             # the backbone drafts the token after the root; the heads, read at the root, the ones after that
             backbone, h_last = draft_logits[0], draft_hidden[0]
             head_logits = None if draft_heads is None else draft_heads[:, 0]
-        min_score = cost.threshold() if cost is not None else opt.min_draft_score or 0.0
-        tree, proposed = draft_tree(engine, gen, head_logits, h_last, backbone, table, calibrator, min_score)
-        t_verify = time.perf_counter()
+        tree, proposed = draft_tree(engine, gen, head_logits, h_last, backbone, table, calibrator)
         logits, hidden, tree_heads = engine.forward_with_heads(
             torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
-        if cost is not None:
-            cost.observe(len(tree), time.perf_counter() - t_verify)
-            gen.stats["verify_cost"] = cost.c2
         node, path, accepted_nodes = 0, [], []
         while True:
             token = gen.draw(logits[node], path)

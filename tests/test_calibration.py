@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.calibration import PRIOR, DraftCalibrator, VerifyCost
+from core.calibration import PRIOR, DraftCalibrator
 from core.tree import HEADS, NGRAM, TreeBuilder
 
 
@@ -39,25 +39,3 @@ def test_a_raised_chance_never_lifts_a_child_above_its_parent() -> None:
     b.add([1, 2], [0.2, 0.2], HEADS)
     b.recalibrate(lambda score, source: 0.6)
     assert b.scores[1:] == pytest.approx([0.6, 0.6])
-
-
-def test_verify_cost_uses_its_prior_until_both_sizes_are_timed_then_the_median_ratio() -> None:
-    cost = VerifyCost(prior=1.25)
-    for _ in range(VerifyCost.MIN_SEEN):
-        cost.observe(2, 0.012)
-    cost.observe(4, 1.0)  # sizes other than 1 and 2 are not modelled
-    assert cost.threshold() == pytest.approx(0.25)  # no one-token forward timed yet
-    for _ in range(VerifyCost.MIN_SEEN):
-        cost.observe(1, 0.010)
-    assert cost.c2 == pytest.approx(1.2) and cost.threshold() == pytest.approx(0.2)
-    cost.observe(1, 5.0)  # one stalled forward (a busy machine) does not move the median
-    assert cost.threshold() == pytest.approx(0.2)
-    for _ in range(VerifyCost.WINDOW):  # the context grew: 2-token forwards now cost 1.5 one-token ones
-        cost.observe(2, 0.015)
-    assert cost.threshold() == pytest.approx(0.5)
-    for _ in range(VerifyCost.WINDOW):
-        cost.observe(2, 0.009)  # cheaper than one token: nothing to lose, every draft pays
-    assert cost.threshold() == 0.0
-    for _ in range(VerifyCost.WINDOW):
-        cost.observe(2, 0.050)
-    assert cost.threshold() == 1.0
