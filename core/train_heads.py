@@ -404,14 +404,15 @@ def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, te
                     seed: int = 0) -> float:
     """How often the root head's draft, ranked with the sampler's Gumbel noise (heads.candidates), is the very token
     the sampler draws from the model's distribution at `temperature` with that noise: the acceptance rate of its
-    drafts, up to the sampler's filters and penalty."""
-    gen = torch.Generator().manual_seed(seed)
+    drafts, up to the sampler's filters and penalty. Row i draws with the sampler's own noise for position i."""
+    from core.sampling import gumbel_noise
+
     hits = count = 0
     rows = torch.nonzero((y[:, 0] >= 0) & (y[:, 1] >= 0)).squeeze(1)
     for c in range(0, len(rows), 2048):
         r = rows[c:c + 2048]
         drawn_from = model.logits(h[r + 1].float())
-        noise = -torch.log(-torch.log(torch.rand(drawn_from.shape, generator=gen).clamp(min=1e-20)))
+        noise = torch.stack([gumbel_noise(seed, int(i), drawn_from.shape[-1]) for i in r])
         drawn = (drawn_from / temperature + noise).argmax(-1)
         draft, _ = heads.candidates(heads.root_logits(h[r].float(), y[r, 0], model), 1, noise, temperature,
                                     heads.root_ids)
