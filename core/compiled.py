@@ -20,7 +20,7 @@ from torch import Tensor
 
 from core.heads import DraftHeads
 from core.kv_cache import KVCache, PartialKVCache
-from core.model import Transformer, attention, attention_bias, rotate
+from core.model import Transformer, attention, rotate
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -81,7 +81,6 @@ class CompiledRunner:
         configure_inductor()
         self.model = model
         self.heads = heads
-        self.root = root
         self.sizes = sizes
         # build the heads' lm_head rows now: built inside a trace, they would force a recompile
         if heads is not None:
@@ -146,10 +145,8 @@ class CompiledRunner:
                                                                                 device=tokens.device).tril_()
             block_mask = full
         cache.begin(size)
-        cfg = self.model.cfg
-        mask = cache.attention_mask(size, block_mask, positions, cfg.sliding_window)
+        bias = self.model.attention_bias(cache, size, block_mask, positions)
         cos, sin = self.model.rope(positions)
-        bias = attention_bias(mask, cfg.n_heads // cfg.n_kv_heads, self.model.dtype)
         _ACTIVE["cache"], _ACTIVE["bias"] = cache, bias
         try:
             logits, hidden, head_logits = self._fn(tokens, cos, sin)

@@ -157,20 +157,9 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention_bias(mask: Tensor | None, group: int, dtype: torch.dtype) -> Tensor | None:
-    """The additive form (0 visible, -inf hidden) of a boolean mask [n, L], with each row repeated for the `group`
-    query heads that share a KV head: [group * n, L]. Built once per forward, not once per layer: on a CPU a masked
-    score matrix then costs one fused multiply-add (baddbmm) instead of a mask copy and a masked fill per layer,
-    a quarter of a 2-token attention at 8K cached tokens."""
-    if mask is None:
-        return None
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias.repeat(group, 1)
-
-
 def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
-    """Attention of q [heads, n, d] over keys/values [kv_heads, L, d]; `bias` [group * n, L] is attention_bias's
-    additive mask (None: everything visible).
+    """Attention of q [heads, n, d] over keys/values [kv_heads, L, d]; `bias` [group * n, L] is the additive mask of
+    Transformer.attention_bias (None: everything visible).
 
     The query heads that share a KV head are folded into its rows ([kv_heads, group * n, d]), so grouped-query
     attention needs no copies of the keys; PyTorch's `enable_gqa` path falls back to a slow kernel on CPU (10x at 4K
@@ -249,6 +238,18 @@ class Transformer(nn.Module):
         emb = torch.cat((angles, angles), dim=-1)
         return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
 
+    def attention_bias(self, cache: KVCache | PartialKVCache, n: int, block_mask: Tensor | None,
+                       positions: Tensor) -> Tensor | None:
+        """The cache's attention mask for n new tokens in additive form (0 visible, -inf hidden), each row repeated
+        for the query heads that share a KV head: [group * n, L], or None when all is visible. Built once per
+        forward, not once per layer: on a CPU a masked score matrix then costs one fused multiply-add (baddbmm)
+        instead of a mask copy and a masked fill per layer, a quarter of a 2-token attention at 8K cached tokens."""
+        mask = cache.attention_mask(n, block_mask, positions, self.cfg.sliding_window)
+        if mask is None:
+            return None
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return bias.repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)
+
     def hidden(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache, block_mask: Tensor | None = None) -> Tensor:
         """Run the decoder on new tokens; returns pre-final-norm hidden states [n, hidden].
 
@@ -258,8 +259,7 @@ class Transformer(nn.Module):
         """
         n = tokens.shape[0]
         cache.begin(n)
-        mask = cache.attention_mask(n, block_mask, positions, self.cfg.sliding_window)
-        bias = attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, self.dtype)
+        bias = self.attention_bias(cache, n, block_mask, positions)
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):

@@ -146,7 +146,7 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
         candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
     if heads is None or h_last is None:
         return candidates
-    if backbone is None and opt.root_head and heads.root is not None and depth > 0:
+    if engine.root_drafting and depth > 0:
         # the root head predicts head 1's token knowing the root: nearly twice as often right
         logits = engine.root_logits(h_last[None], torch.tensor([root], device=device))
         ids, p = heads.candidates(logits, opt.head_topk, noise(root_pos + 1, 1), temperature, heads.root_ids)
