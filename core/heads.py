@@ -139,28 +139,29 @@ class DraftHeads(nn.Module):
             self._root_lm_rows = model.lm_head.weight[ids].contiguous() if ids.numel() else model.lm_head.weight
         return self._root_lm_rows
 
-    def candidates(self, logits: Tensor, k: int, noise: Tensor | None = None, temperature: float = 1.0,
+    def candidates(self, scores: Tensor, k: int, noise: Tensor | None = None,
                    ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """rank_drafts over the heads' logits; column j scores token ids[j] (default: the heads' vocabulary)."""
-        return rank_drafts(logits, k, noise, temperature, self.vocab if ids is None else ids)
+        """rank_drafts over the heads' scores; column j scores token ids[j] (default: the heads' vocabulary)."""
+        return rank_drafts(scores, k, noise, self.vocab if ids is None else ids)
 
 
-def rank_drafts(logits: Tensor, k: int, noise: Tensor | None = None, temperature: float = 1.0,
+def rank_drafts(scores: Tensor, k: int, noise: Tensor | None = None,
                 ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Top-k token ids and their estimated chance of being drawn, per row of logits [rows, V']: [rows, k] each.
-    Column j of the logits scores token ids[j] (None or empty: token j).
+    """Top-k token ids and their estimated chance of being drawn, per row of a drafter's scores [rows, V'] (its
+    logits processed as the sampler processes the model's: Sampler.draft_scores): [rows, k] each. Column j scores
+    token ids[j] (None or empty: token j).
 
     With `noise` [rows, V] (the sampler's Gumbel noise at each row's position, over the whole vocabulary), the
-    drafts are ranked as the sampler will draw there: logits / T + noise. Sampling draws argmax(scores / T + noise)
-    with noise fixed by (seed, position), so if the drafter matched the model its top-1 would be exactly the drawn
+    drafts are ranked as the sampler will draw there: scores + noise. Sampling draws argmax(scores + noise) with
+    noise fixed by (seed, position), so if the drafter matched the model its top-1 would be exactly the drawn
     token; measured offline on 2046 positions of generated text (studio settings), this lifted a root head's hit
     rate from 33% to 38%.
     """
     subset = ids is not None and ids.numel() > 0
-    x = logits.float()
+    x = scores.float()
     if noise is not None:
-        x = x / temperature + (noise[:, ids] if subset else noise)
-    p, idx = x.softmax(-1).topk(k, dim=-1)
+        x = x + (noise[:, ids] if subset else noise)
+    p, idx = x.softmax(-1).nan_to_num_(0.0).topk(k, dim=-1)  # (a row the filters emptied proposes nothing likely)
     return (ids[idx] if subset else idx), p
 
 

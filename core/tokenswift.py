@@ -130,26 +130,26 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
     """
     opt, heads, device = engine.options, engine.heads, engine.device
     root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
-    settings = gen.config.sampling
-    temperature = settings.temperature or 1.0
+    settings, sampler = gen.config.sampling, gen.sampler
 
     def noise(first: int, n: int) -> Tensor | None:
         """The draws' Gumbel noise at positions first .. first + n - 1 (none when decoding greedily)."""
         if settings.greedy:
             return None
-        return torch.stack([gen.sampler.noise(first + i, device) for i in range(n)])
+        return torch.stack([sampler.noise(first + i, device) for i in range(n)])
 
     candidates: list[list[tuple[int, float]]] = []
     if backbone is not None and depth > 0:
-        ids, p = rank_drafts(backbone[None, :gen.sampler.vocab], opt.backbone_topk, noise(root_pos + 1, 1),
-                             temperature)
+        # the backbone's logits are the model's own (over a partial cache): processed exactly as the draw will be
+        ids, p = rank_drafts(sampler.scores(backbone[None], gen.window()), opt.backbone_topk, noise(root_pos + 1, 1))
         candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
     if heads is None or h_last is None:
         return candidates
     if engine.root_drafting and depth > 0:
         # the root head predicts head 1's token knowing the root: nearly twice as often right
         logits = engine.root_logits(h_last[None], torch.tensor([root], device=device))
-        ids, p = heads.candidates(logits, opt.head_topk, noise(root_pos + 1, 1), temperature, heads.root_ids)
+        ids, p = heads.candidates(sampler.draft_scores(logits, heads.root_ids), opt.head_topk, noise(root_pos + 1, 1),
+                                  heads.root_ids)
         candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
     # in fused mode head k predicts the k-th token after the root, in separate mode the (k+1)-th
     skip = len(candidates) - (1 if backbone is not None else 0)
@@ -157,8 +157,8 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
     if more > 0:
         if head_logits is None:  # the compiled graph left the heads out (Engine.graph_heads)
             head_logits = heads.logits(h_last[None], engine.model)[:, 0]
-        ids, p = heads.candidates(head_logits[skip:skip + more], opt.head_topk,
-                                  noise(root_pos + 1 + len(candidates), more), temperature)
+        ids, p = heads.candidates(sampler.draft_scores(head_logits[skip:skip + more], heads.vocab), opt.head_topk,
+                                  noise(root_pos + 1 + len(candidates), more))
         candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
     return candidates
 

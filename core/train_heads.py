@@ -3,8 +3,10 @@
 `python -m core train-heads --model smollm2-135m --out assets/heads/smollm2-135m.safetensors` runs five resumable
 stages, caching their products outside git (`--data-dir`, default under TOKENSWIFT_CACHE):
 1. data: the base model continues every writing prompt in assets/prompts/train_prompts.jsonl (chat template, the
-   studio sampling settings, end-of-sequence suppressed), batched; one JSON line per sample.
-2. hidden: the frozen model's pre-final-norm hidden states at every output position (what the heads read).
+   studio sampling settings, end-of-sequence suppressed), batched, `--samples-per-prompt` times each; one JSON line
+   per sample. Run again with more samples per prompt, it adds only the new ones.
+2. hidden: the frozen model's pre-final-norm hidden states at every output position (what the heads read), again
+   whenever the samples have changed.
 3. train: the heads alone, loss = sum of the cross-entropies for tokens t+2, t+3, t+4 (AdamW, warmup + cosine, as in
    the paper), over the heads' vocabulary (the ids the model writes most); checkpointed, resumable, time-budgeted.
 4. root: the root head (core/heads.py) on the same rows, predicting t+2 from the hidden state and the token t+1,
@@ -12,8 +14,9 @@ stages, caching their products outside git (`--data-dir`, default under TOKENSWI
    temperature): a whole distribution per row teaches more than the one token sampled from it, and what decides a
    draft's acceptance is how well it matches that distribution under the sampler's noise. Same optimiser and
    checkpointing; saved into the heads' file.
-5. eval: per-head top-1/top-3 accuracy on held-out prompts' text, and the root head's rate of drafting the very token
-   the sampler draws with the same noise; a JSON card is written beside the heads.
+5. eval: per-head top-1/top-3 accuracy on held-out prompts' text, and the root head's drawn rate: how often its
+   draft, drafted as in generation, is the very token the studio sampler draws there with the same noise; a JSON
+   card is written beside the heads.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from core.sampling import PRESETS, Sampler, gumbel_noise, nucleus
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("data", "hidden", "train", "root", "eval")
@@ -85,7 +90,6 @@ def stage_data(args: argparse.Namespace, data: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from core.loading import load_tokenizer, resolve
-    from core.sampling import PRESETS
     from core.text import encode_prompt
 
     out = data / "samples.jsonl"
@@ -97,7 +101,7 @@ def stage_data(args: argparse.Namespace, data: Path) -> None:
     todo = [t for t in todo if t[0] not in done]
     if not todo:
         return
-    todo.sort(key=lambda t: len(t[2]))  # similar lengths per batch: little padding
+    todo.sort(key=lambda t: (t[3], len(t[2])))  # sample by sample; similar lengths per batch: little padding
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     s = PRESETS["studio"]
     warp = StudioWarper(s.temperature, s.top_p)
@@ -110,7 +114,8 @@ def stage_data(args: argparse.Namespace, data: Path) -> None:
             width = max(len(t[2]) for t in batch)
             ids = torch.tensor([[pad] * (width - len(t[2])) + t[2] for t in batch])
             mask = torch.tensor([[0] * (width - len(t[2])) + [1] * len(t[2]) for t in batch])
-            torch.manual_seed(args.seed * 100_003 + i)
+            # seeded by the batch's place and its sample number: a second sample of a prompt is not the first again
+            torch.manual_seed(args.seed * 100_003 + 1_000_003 * batch[0][3] + i)
             with torch.inference_mode():
                 gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.gen_tokens,
                                      do_sample=True, top_p=1.0, top_k=0, repetition_penalty=s.penalty,
@@ -130,8 +135,6 @@ class StudioWarper:
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from core.sampling import nucleus
-
         scores = scores / self.temperature
         return scores.masked_fill(~nucleus(scores, self.top_p), float("-inf"))
 
@@ -155,9 +158,11 @@ def stage_hidden(args: argparse.Namespace, data: Path) -> None:
     from core.loading import load_model
 
     target = data / "hidden.pt"
-    if target.exists() and torch.load(target, mmap=True).get("format") == HIDDEN_FORMAT:
-        return
     samples = read_samples(data)
+    if target.exists():
+        done = torch.load(target, mmap=True)
+        if done.get("format") == HIDDEN_FORMAT and done.get("samples") == len(samples):
+            return  # else the data stage has added samples since: all are read again
     held = split_ids(read_prompts(args.prompts), args.holdout, args.seed)
     lm = load_model(args.model, device="cpu")
     model = lm.model
@@ -183,8 +188,8 @@ def stage_hidden(args: argparse.Namespace, data: Path) -> None:
         split = "eval" if sample["prompt_id"] in held else "train"
         parts[split]["h"].append(h.half())
         parts[split]["y"].append(y)
-    torch.save({"format": HIDDEN_FORMAT, **{split: {"h": torch.cat(v["h"]), "y": torch.cat(v["y"])}
-                                            for split, v in parts.items()}}, target)
+    splits = {split: {"h": torch.cat(v["h"]), "y": torch.cat(v["y"])} for split, v in parts.items()}
+    torch.save({"format": HIDDEN_FORMAT, "samples": len(samples), **splits}, target)
 
 
 # --- stage 3: training ----------------------------------------------------------------------------------------------
@@ -352,8 +357,9 @@ def stage_root(args: argparse.Namespace, data: Path) -> None:
     kept = head_vocab(targets, args.root_vocab, len(heads.vocab) or model.cfg.vocab_size)
     if kept is not None:
         heads.keep_root_ids(kept)
+    n_train = int(((y_all[:, 0] >= 0) & (y_all[:, 1] >= 0)).sum())
     save_heads(heads, out, model, args.model, {**heads.meta, "root_steps": step, "root_width": args.root_width,
-                                               "root_vocab": len(heads.root_ids)})
+                                               "root_vocab": len(heads.root_ids), "root_train_tokens": n_train})
 
 
 def out_path(args: argparse.Namespace) -> Path:
@@ -400,25 +406,36 @@ def root_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> d
 
 
 @torch.no_grad()
-def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, temperature: float,
-                    seed: int = 0) -> float:
-    """How often the root head's draft, ranked with the sampler's Gumbel noise (heads.candidates), is the very token
-    the sampler draws from the model's distribution at `temperature` with that noise: the acceptance rate of its
-    drafts, up to the sampler's filters and penalty. Row i draws with the sampler's own noise for position i."""
-    from core.sampling import gumbel_noise
+def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, settings: Any, seed: int = 0) -> float:
+    """How often the root head's draft is the very token the sampler draws: the acceptance rate of its drafts.
 
+    The draft is drafted as in generation (its logits through Sampler.draft_scores, ranked with the sampler's
+    Gumbel noise: heads.candidates); the draw is the sampler's with `settings` from the model's logits for t+2
+    (penalty over the text's tokens up to t+1, temperature, filters) with that noise. Row i draws with the
+    sampler's noise for position i."""
+    sampler = Sampler(settings, model.cfg.vocab_size)
     hits = count = 0
     rows = torch.nonzero((y[:, 0] >= 0) & (y[:, 1] >= 0)).squeeze(1)
-    for c in range(0, len(rows), 2048):
-        r = rows[c:c + 2048]
-        drawn_from = model.logits(h[r + 1].float())
-        noise = torch.stack([gumbel_noise(seed, int(i), drawn_from.shape[-1]) for i in r])
-        drawn = (drawn_from / temperature + noise).argmax(-1)
-        draft, _ = heads.candidates(heads.root_logits(h[r].float(), y[r, 0], model), 1, noise, temperature,
-                                    heads.root_ids)
+    for c in range(0, len(rows), 1024):
+        r = rows[c:c + 1024]
+        scores = sampler.scores(model.logits(h[r + 1].float()), penalty_windows(y[:, 0], r, settings.penalty_window))
+        noise = torch.stack([gumbel_noise(seed, int(i), scores.shape[-1]) for i in r])
+        drawn = (scores + noise).argmax(-1)
+        draft_scores = sampler.draft_scores(heads.root_logits(h[r].float(), y[r, 0], model), heads.root_ids)
+        draft, _ = heads.candidates(draft_scores, 1, noise, heads.root_ids)
         hits += int((draft[:, 0] == drawn).sum())
         count += len(r)
     return round(hits / count, 4)
+
+
+def penalty_windows(y0: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[len(rows), width] penalty windows for drawing token t+2 at each row: the text's tokens up to t+1, from
+    y0 = column 0 of y (a text's rows are contiguous and its last row has y0 = -1). Rows nearer a text's start
+    than `width` repeat their own token t+1 (harmless: the penalty counts an id once)."""
+    back = rows[:, None] - torch.arange(width)  # rows i, i-1, ...: each holds its token t+1
+    ids = y0[back.clamp(min=0)]
+    outside = ((back < 0) | (ids < 0)).cummax(dim=1).values  # walked back out of the text
+    return torch.where(outside, ids[:, :1], ids)
 
 
 def stage_eval(args: argparse.Namespace, data: Path) -> None:
@@ -450,7 +467,8 @@ def stage_eval(args: argparse.Namespace, data: Path) -> None:
             "prompts": len({s["prompt_id"] for s in samples}),
             "samples": len(samples),
             "generated_tokens": sum(len(s["output"]) for s in samples),
-            "train_positions": int((y_train[:, 1] >= 0).sum()),
+            # what each stage trained on (the file's record: a later data stage may have added samples since)
+            "train_positions": int(heads.meta.get("train_tokens", (y_train[:, 1] >= 0).sum())),
             "eval_positions": int((y_eval[:, 1] >= 0).sum()),
             "held_out_prompts": args.holdout,
         },
@@ -459,22 +477,24 @@ def stage_eval(args: argparse.Namespace, data: Path) -> None:
                      "weight_decay": args.weight_decay, "warmup": args.warmup, "schedule": "linear warmup + cosine",
                      "optimizer": "AdamW(0.9, 0.95)", "final_loss_per_head": final, "seed": args.seed},
         "held_out_accuracy": {f"head{k + 1} (t+{k + 2})": a for k, a in enumerate(acc)},
-        "command": "python -m core train-heads --model {m} --gen-tokens {g} --steps {s} --batch-tokens {b} "
-                   "--lr {lr} --head-vocab {v} --root-width {w} --root-steps {rs} --root-vocab {rv} "
-                   "--distill-temperature {dt}".format(
-                       m=args.model, g=args.gen_tokens, s=args.steps, b=args.batch_tokens, lr=args.lr,
-                       v=args.head_vocab, w=args.root_width, rs=args.root_steps, rv=args.root_vocab,
-                       dt=args.distill_temperature),
+        "command": "python -m core train-heads --model {m} --gen-tokens {g} --samples-per-prompt {spp} --steps {s} "
+                   "--batch-tokens {b} --lr {lr} --head-vocab {v} --root-width {w} --root-steps {rs} "
+                   "--root-vocab {rv} --distill-temperature {dt}".format(
+                       m=args.model, g=args.gen_tokens, spp=args.samples_per_prompt, s=args.steps,
+                       b=args.batch_tokens, lr=args.lr, v=args.head_vocab, w=args.root_width, rs=args.root_steps,
+                       rv=args.root_vocab, dt=args.distill_temperature),
     }
     if heads.root is not None:
         root_ckpt = torch.load(data / "root_checkpoint.pt")
         card["architecture"] += ("; root head: state = h + W_down SiLU(W_up [RMSNorm(h); RMSNorm(embed(root))]), "
                                  "logits = lm_head(post-norm(state)), predicts t+2 knowing the token t+1")
         card["root_head"] = {"width": args.root_width, "steps": root_ckpt["step"], "vocab": len(heads.root_ids),
+                             "train_positions": int(heads.meta.get("root_train_tokens", 0)) or None,
                              "distill_temperature": args.distill_temperature,
                              "final_loss": final_losses(root_ckpt["history"])[0],
                              "held_out_accuracy (t+2)": root_accuracy(heads, lm.model, h_eval, y_eval),
-                             "held_out_drawn_rate (T=0.7)": root_drawn_rate(heads, lm.model, h_eval, y_eval, 0.7)}
+                             "held_out_drawn_rate (studio sampler)": root_drawn_rate(heads, lm.model, h_eval,
+                                                                                     y_eval, PRESETS["studio"])}
     card_path = out.with_suffix(".json")
     if card_path.exists():  # a note written by hand about the data survives a re-evaluation
         note = json.loads(card_path.read_text()).get("data", {}).get("note")

@@ -9,6 +9,7 @@ import transformers
 
 from core.heads import DraftHeads, HeadsError, load_heads, save_heads
 from core.model import ModelConfig, Transformer, build_model
+from core.sampling import Sampler, SamplingSettings
 
 
 def tiny(seed: int, hidden: int = 64) -> Transformer:
@@ -121,6 +122,15 @@ def test_candidates_are_ranked_as_the_sampler_draws() -> None:
     noise[0, 40] = 5.0  # the sampler will add a large bonus to id 40 at this position
     ids, p = heads.candidates(logits, 2)
     assert ids[0].tolist() == [3, 17]
-    ids, p = heads.candidates(logits, 2, noise, temperature=0.5)
+    sampler = Sampler(SamplingSettings(temperature=0.5, top_p=1.0), 128)
+    ids, p = heads.candidates(sampler.draft_scores(logits, vocab), 2, noise)
     # logits / T + noise: 40 -> 0 + 5 beats 3 -> 4 and 17 -> 2
     assert ids[0].tolist() == [40, 3] and p[0, 0] > p[0, 1] and float(p.sum()) <= 1 + 1e-6
+    # with top-p 0.9 the sampler never draws 40 there (1.6% of the mass at T = 0.5), so it is not drafted
+    sampler = Sampler(SamplingSettings(temperature=0.5, top_p=0.9), 128)
+    ids, p = heads.candidates(sampler.draft_scores(logits, vocab), 2, noise)
+    assert ids[0].tolist() == [3, 17] and float(p.sum()) == pytest.approx(1.0)
+    # nor is a banned id (e.g. end-of-sequence while writing to full length)
+    sampler = Sampler(SamplingSettings(temperature=0.5, top_p=1.0), 128, banned=(40,))
+    ids, _ = heads.candidates(sampler.draft_scores(logits, vocab), 2, noise)
+    assert ids[0].tolist() == [3, 17]

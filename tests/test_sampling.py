@@ -101,3 +101,18 @@ def test_banned_tokens_are_never_drawn() -> None:
 def test_out_of_range_settings_are_refused(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PRESETS["studio"].with_(**change).validate()
+
+
+@pytest.mark.parametrize("name", ["studio", "paper", "greedy"])
+def test_draft_scores_process_a_drafter_as_scores_process_the_model(name: str) -> None:
+    """Without a penalty, a drafter over the whole vocabulary is processed exactly as the model's logits are; over a
+    subset of ids, as if those ids were the whole vocabulary (filters over the subset's own mass), banned ids out."""
+    settings = PRESETS[name].with_(penalty=1.0)
+    sampler = Sampler(settings, 300, banned=(7,))
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)) * 3
+    window = torch.zeros(3, 1, dtype=torch.long)
+    assert torch.equal(sampler.draft_scores(logits), sampler.scores(logits, window))
+    ids = torch.tensor([2, 7, 50, 51])
+    sub = sampler.draft_scores(logits[:, ids], ids)
+    assert torch.equal(sub, Sampler(settings, 4, banned=(1,)).scores(logits[:, ids], window))
+    assert bool(torch.isinf(sub[:, 1]).all())

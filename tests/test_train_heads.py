@@ -10,6 +10,7 @@ import torch
 from core.__main__ import main
 from core.heads import load_heads
 from core.loading import load_model
+from core.train_heads import penalty_windows
 from tests.conftest import make_tiny_checkpoint
 
 
@@ -32,8 +33,25 @@ def test_pipeline_trains_heads_and_root_head_and_resumes(tmp_path: Path) -> None
     assert card["root_head"]["steps"] == 20 and card["root_head"]["vocab"] == 16 and "--root-vocab 16" in card["command"]
     # distilled from the model's distribution by default, and the rate at which its drafts are drawn is measured
     assert card["root_head"]["distill_temperature"] == 0.7 and "--distill-temperature 0.7" in card["command"]
-    assert 0.0 <= card["root_head"]["held_out_drawn_rate (T=0.7)"] < 1.0
+    assert 0.0 <= card["root_head"]["held_out_drawn_rate (studio sampler)"] < 1.0
     # a longer root run resumes from the checkpoint instead of starting over
     assert main([*args, "--root-steps", "30", "--stage", "root"]) == 0
     assert torch.load(data / "root_checkpoint.pt")["step"] == 30
     assert load_heads(out, load_model(str(folder)).model).meta["root_steps"] == "30"
+    # a second sample per prompt is new text (seeded by its sample number), and the card says what each stage used
+    samples = [json.loads(line) for line in (data / "samples.jsonl").read_text().splitlines()]
+    assert main([*args, "--root-steps", "30", "--stage", "data", "--samples-per-prompt", "2"]) == 0
+    second = {s["prompt_id"]: s["output"] for s in map(json.loads, (data / "samples.jsonl").read_text().splitlines())
+              if s["key"].endswith("#1")}
+    assert len(second) == 10 and all(second[s["prompt_id"]] != s["output"] for s in samples)
+    assert main([*args, "--stage", "hidden"]) == 0  # the hidden states follow the samples added
+    assert torch.load(data / "hidden.pt")["samples"] == 20
+    assert card["data"]["train_positions"] == int(load_heads(out, load_model(str(folder)).model).meta["train_tokens"])
+    assert card["root_head"]["train_positions"] > 0
+
+
+def test_penalty_windows_stay_inside_each_text() -> None:
+    y0 = torch.tensor([5, 6, 7, -1, 8, 9, -1])  # two texts' tokens t+1, each ending in a row without one
+    windows = penalty_windows(y0, torch.tensor([0, 2, 4, 5]), 3)
+    # newest first; a row nearer its text's start than the width repeats its own token (the penalty counts ids once)
+    assert windows.tolist() == [[5, 5, 5], [7, 6, 5], [8, 8, 8], [9, 8, 9]]
