@@ -4,8 +4,9 @@ Each step:
 1. **Draft.** `fused` (default): the heads read the hidden state of the last accepted node from the previous
    verification, and the root head reads it with the root itself, so a step costs one forward. `separate` (the
    paper's): a one-token forward of the root over the partial KV cache gives the backbone's next-token top-1 and,
-   through the heads, the tokens after it. Drafts for a position are ranked by the drafter's logits plus the Gumbel
-   noise the sampler will add at that position (it depends only on the seed and the position, so it is known now).
+   through the heads, the tokens after it. Drafts for a position are ranked by the drafter's logits, processed as
+   the sampler processes the model's (Sampler.draft_scores), plus the Gumbel noise the sampler will add at that
+   position (it depends only on the seed and the position, so it is known now).
 2. **Reuse.** The n-gram table proposes continuations keyed by the root and by the first draft token.
 3. **Tree.** All drafts merge into one trie under a node budget (core/tree.py).
 4. **Verify.** One forward of the whole tree over the full cache with a tree mask. Then walk from the root: at each
