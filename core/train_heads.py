@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from core.sampling import PRESETS, Sampler, gumbel_noise, nucleus
+from core.sampling import PRESETS, Sampler, SamplingSettings, gumbel_noise, nucleus
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("data", "hidden", "train", "root", "eval")
@@ -406,7 +406,8 @@ def root_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> d
 
 
 @torch.no_grad()
-def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, settings: Any, seed: int = 0) -> float:
+def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, settings: SamplingSettings,
+                    seed: int = 0) -> float:
     """How often the root head's draft is the very token the sampler draws: the acceptance rate of its drafts.
 
     The draft is drafted as in generation (its logits through Sampler.draft_scores, ranked with the sampler's
