@@ -238,13 +238,19 @@ def root_loss(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: t
     logits = heads.root_logits(h, y[:, 0].clamp(min=0), model)
     if temperature <= 0 or h_next is None:
         return F.cross_entropy(logits, to_vocab(y[:, 1].masked_fill(y[:, 0] < 0, -1), remap), ignore_index=-1)[None]
-    valid = (y[:, 0] >= 0) & (y[:, 1] >= 0)  # rows whose next row is the same text's position t+1
+    valid = root_rows(y)
     if not valid.any():
         return logits.sum()[None] * 0.0
     with torch.no_grad():
         target = (model_logits(model, h_next[valid], heads.root_ids) / temperature).softmax(-1)
     log_q = (logits[valid] / temperature).log_softmax(-1)
     return -(target * log_q).sum(-1).mean()[None]
+
+
+def root_rows(y: torch.Tensor) -> torch.Tensor:
+    """Mask of the rows the root head learns from: both tokens t+1 (its input) and t+2 (its target) exist, so the
+    next row is the same text's position t+1."""
+    return (y[:, 0] >= 0) & (y[:, 1] >= 0)
 
 
 def model_logits(model: Any, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -357,7 +363,7 @@ def stage_root(args: argparse.Namespace, data: Path) -> None:
     kept = head_vocab(targets, args.root_vocab, len(heads.vocab) or model.cfg.vocab_size)
     if kept is not None:
         heads.keep_root_ids(kept)
-    n_train = int(((y_all[:, 0] >= 0) & (y_all[:, 1] >= 0)).sum())
+    n_train = int(root_rows(y_all).sum())
     save_heads(heads, out, model, args.model, {**heads.meta, "root_steps": step, "root_width": args.root_width,
                                                "root_vocab": len(heads.root_ids), "root_train_tokens": n_train})
 
@@ -395,7 +401,7 @@ def root_accuracy(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor) -> d
     hits1 = hits3 = count = 0
     for c in range(0, len(h), 2048):
         yy = y[c:c + 2048]
-        valid = (yy[:, 0] >= 0) & (yy[:, 1] >= 0)
+        valid = root_rows(yy)
         top = heads.root_logits(h[c:c + 2048].float(), yy[:, 0].clamp(min=0), model).topk(3, dim=-1).indices
         ids = heads.root_ids
         hit = (ids[top] if ids.numel() else top) == yy[:, 1:2]
@@ -416,7 +422,7 @@ def root_drawn_rate(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, se
     sampler's noise for position i."""
     sampler = Sampler(settings, model.cfg.vocab_size)
     hits = count = 0
-    rows = torch.nonzero((y[:, 0] >= 0) & (y[:, 1] >= 0)).squeeze(1)
+    rows = torch.nonzero(root_rows(y)).squeeze(1)
     for c in range(0, len(rows), 1024):
         r = rows[c:c + 1024]
         scores = sampler.scores(model.logits(h[r + 1].float()), penalty_windows(y[:, 0], r, settings.penalty_window))

@@ -10,7 +10,7 @@ import torch
 from core.__main__ import main
 from core.heads import load_heads
 from core.loading import load_model
-from core.train_heads import penalty_windows
+from core.train_heads import penalty_windows, read_samples
 from tests.conftest import make_tiny_checkpoint
 
 
@@ -39,10 +39,9 @@ def test_pipeline_trains_heads_and_root_head_and_resumes(tmp_path: Path) -> None
     assert torch.load(data / "root_checkpoint.pt")["step"] == 30
     assert load_heads(out, load_model(str(folder)).model).meta["root_steps"] == "30"
     # a second sample per prompt is new text (seeded by its sample number), and the card says what each stage used
-    samples = [json.loads(line) for line in (data / "samples.jsonl").read_text().splitlines()]
+    samples = read_samples(data)
     assert main([*args, "--root-steps", "30", "--stage", "data", "--samples-per-prompt", "2"]) == 0
-    second = {s["prompt_id"]: s["output"] for s in map(json.loads, (data / "samples.jsonl").read_text().splitlines())
-              if s["key"].endswith("#1")}
+    second = {s["prompt_id"]: s["output"] for s in read_samples(data) if s["key"].endswith("#1")}
     assert len(second) == 10 and all(second[s["prompt_id"]] != s["output"] for s in samples)
     assert main([*args, "--stage", "hidden"]) == 0  # the hidden states follow the samples added
     assert torch.load(data / "hidden.pt")["samples"] == 20
