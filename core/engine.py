@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
+from core import attention_kernel
 from core.decoding import Generation, GenerationConfig, Step, generate
 from core.heads import DraftHeads, HeadsError, load_heads
 from core.kv_cache import KVCache, PartialKVCache
@@ -39,6 +40,8 @@ class Engine:
         self.options = options
         self.runner = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
+        if self.model.device.type == "cpu" and self.model.dtype == torch.float32:
+            attention_kernel.kernel()  # build or load it now, not inside the first generation
         if compile:
             from core.compiled import CompiledRunner
 

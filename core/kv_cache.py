@@ -7,6 +7,9 @@ path of a verified tree, compacted in place) or drops them (rollback).
 The partial cache (TokenSwift's dynamic KV management) gives the one-token draft pass a fixed-size view: 16 sink
 tokens, the tokens the latest query attends to most (scored per KV head), and the most recent tokens, which
 overwrite the lowest-scored slots as they arrive. Once they would reach the sinks, the whole sequence is re-scored.
+
+On a CPU in float32 both caches store keys transposed ([layers, kv_heads, d, slots] underneath a [.., slots, d]
+view), the layout core/attention_kernel.py reads: its scores then vectorise along the keys.
 """
 from __future__ import annotations
 
@@ -14,12 +17,19 @@ import torch
 from torch import Tensor
 
 
+def key_buffer(n_layers: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device | str) -> Tensor:
+    """A zeroed [n_layers, n_kv_heads, slots, head_dim] key buffer; transposed underneath on a float32 CPU."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return torch.zeros(n_layers, n_kv_heads, head_dim, slots, dtype=dtype, device=device).transpose(2, 3)
+    return torch.zeros(n_layers, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
+
+
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str):
-        shape = (n_layers, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = key_buffer(n_layers, n_kv_heads, max_len, head_dim, dtype, device)
+        self.v = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0  # committed tokens
         self.n_new = 0  # tokens written by the last forward, not yet committed
@@ -93,8 +103,8 @@ class PartialKVCache:
         self.budget = budget
         n_layers, n_kv, _, d = full.k.shape
         # budget slots plus room for the draft pass's own new tokens
-        self.k = torch.zeros(n_layers, n_kv, budget + 8, d, dtype=full.k.dtype, device=full.k.device)
-        self.v = torch.zeros_like(self.k)
+        self.k = key_buffer(n_layers, n_kv, budget + 8, d, full.k.dtype, full.k.device)
+        self.v = torch.zeros(n_layers, n_kv, budget + 8, d, dtype=full.v.dtype, device=full.v.device)
         self.selected_at: int | None = None  # full length at the last selection
         self.synced = 0  # full length up to which recent tokens were copied in
         self.selections = 0

