@@ -258,8 +258,9 @@ def _build() -> Any:
     log.info("building the CPU attention kernel in %s (once per machine)", build)
     return load_inline(
         name=f"tokenswift_attention_{key}", cpp_sources=SOURCE, functions=["attend"], build_directory=str(build),
-        extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        verbose=False,
+        # -fno-trapping-math lets the masked exp's compare vectorise; neither flag reorders arithmetic.
+        extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"],
+        extra_ldflags=["-fopenmp"], verbose=False,
     )
 
 
@@ -282,9 +283,10 @@ def kernel() -> Any | None:
 def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float) -> Tensor | None:
     """softmax(scale * q @ keys^T + bias) @ values per KV head, q [kv, rows, d]; None where the kernel does not
     apply (the caller computes it with matrix products)."""
-    if (_OFF or q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[-1] not in (64, 128) or keys.stride(1) != 1
-            or values.stride(-1) != 1 or values.stride(-2) != q.shape[-1]):
-        return None
+    d = q.shape[-1]
+    if (_OFF or q.device.type != "cpu" or q.dtype != torch.float32 or d not in (64, 128)
+            or keys.stride(1) != 1 or values.stride(2) != 1 or values.stride(1) != d):
+        return None  # keys not stored transposed (a CUDA or bf16 cache), or a head size without a kernel
     module = kernel()
     if module is None:
         return None
