@@ -35,6 +35,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -95,8 +96,19 @@ inline void value_tile(const float* w, const float* v, int64_t n, float* out) {
     for (int i = 0; i < D; ++i) out[r * D + i] = acc[r][i];
 }
 
-// Rows in blocks of up to 6 (measured: 6 keeps the compiler's accumulators in registers; more spill). A last,
-// partial tile of keys is copied into a zero-padded one, so every score comes from the same arithmetic.
+// Calls tile(rows, r) over R rows in blocks, `rows` a compile-time block size: blocks of 6 (measured: 6 keeps the
+// compiler's accumulators in registers, more spill), then of 3, 2 or 1 for what is left.
+template <typename Tile>
+inline void for_row_blocks(int64_t R, Tile tile) {
+  int64_t r = 0;
+  for (; r + 6 <= R; r += 6) tile(std::integral_constant<int, 6>{}, r);
+  for (; r + 3 <= R; r += 3) tile(std::integral_constant<int, 3>{}, r);
+  if (R - r == 2) tile(std::integral_constant<int, 2>{}, r);
+  else if (R - r == 1) tile(std::integral_constant<int, 1>{}, r);
+}
+
+// Scores of R rows for a chunk's n keys. A last, partial tile of keys is copied into a zero-padded one, so every
+// score comes from the same arithmetic.
 template <int D>
 void chunk_scores(const float* q, const float* kt, int64_t ks, float* p, int64_t R, int64_t n) {
   float pad[D * kTile];
@@ -110,28 +122,17 @@ void chunk_scores(const float* q, const float* kt, int64_t ks, float* p, int64_t
     const bool padded = (t + 1) * kTile > n;
     const float* src = padded ? pad : kt + t * kTile;
     const int64_t stride = padded ? kTile : ks;
-    int64_t r = 0;
-    for (; r + 6 <= R; r += 6) score_tile<6, D>(q + r * D, src, stride, p + r * kChunk + t * kTile);
-    for (; r < R; r += 3) {
-      const int64_t rows = std::min<int64_t>(3, R - r);
-      float* out = p + r * kChunk + t * kTile;
-      if (rows == 3) score_tile<3, D>(q + r * D, src, stride, out);
-      else if (rows == 2) score_tile<2, D>(q + r * D, src, stride, out);
-      else score_tile<1, D>(q + r * D, src, stride, out);
-    }
+    for_row_blocks(R, [&](auto rows, int64_t r) {
+      score_tile<decltype(rows)::value, D>(q + r * D, src, stride, p + r * kChunk + t * kTile);
+    });
   }
 }
 
 template <int D>
 void chunk_values(const float* w, const float* v, int64_t n, float* out, int64_t R) {
-  int64_t r = 0;
-  for (; r + 6 <= R; r += 6) value_tile<6, D>(w + r * kChunk, v, n, out + r * D);
-  for (; r < R; r += 3) {
-    const int64_t rows = std::min<int64_t>(3, R - r);
-    if (rows == 3) value_tile<3, D>(w + r * kChunk, v, n, out + r * D);
-    else if (rows == 2) value_tile<2, D>(w + r * kChunk, v, n, out + r * D);
-    else value_tile<1, D>(w + r * kChunk, v, n, out + r * D);
-  }
+  for_row_blocks(R, [&](auto rows, int64_t r) {
+    value_tile<decltype(rows)::value, D>(w + r * kChunk, v, n, out + r * D);
+  });
 }
 
 template <int D>
