@@ -13,20 +13,14 @@ TOKENSWIFT_ATTENTION=matmul): the caller then takes the matrix-product path, whi
 """
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import shutil
-import sys
-import warnings
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from core import native
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -235,50 +229,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 }
 """
 
-_MODULE: Any = None
-_FAILED = False
 _OFF = False  # set by `disabled()`, for side-by-side measurements
-
-
-def _build() -> Any:
-    from torch.utils.cpp_extension import load_inline
-
-    from core.loading import cache_root
-
-    # -march=native ties the binary to this CPU: its flags are part of the build's name, so a cache directory
-    # shared with another machine rebuilds instead of crashing on an unknown instruction.
-    flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    key = hashlib.sha256((SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
-    build = cache_root() / "kernels" / key
-    build.mkdir(parents=True, exist_ok=True)
-    if shutil.which("ninja") is None:  # requirements.txt's ninja sits beside the interpreter, maybe not on PATH
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    log.info("building the CPU attention kernel in %s (once per machine)", build)
-    return load_inline(
-        name=f"tokenswift_attention_{key}", cpp_sources=SOURCE, functions=["attend"], build_directory=str(build),
-        # -fno-trapping-math lets the masked exp's compare vectorise; neither flag reorders arithmetic.
-        extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"],
-        extra_ldflags=["-fopenmp"], verbose=False,
-    )
 
 
 def kernel() -> Any | None:
     """The compiled extension (built on the first call, ~20 s; then loaded from the cache), or None."""
-    global _MODULE, _FAILED
-    if _MODULE is None and not _FAILED:
-        if os.environ.get("TOKENSWIFT_ATTENTION", "kernel") == "matmul":
-            _FAILED = True
-            return None
-        try:
-            _MODULE = _build()
-        except Exception as exc:  # no compiler, no ninja, a read-only cache: fall back, do not fail generation
-            _FAILED = True
-            warnings.warn(f"CPU attention kernel unavailable ({exc.__class__.__name__}: {exc}); "
-                          "using matrix products", RuntimeWarning, stacklevel=2)
-    return _MODULE
+    if os.environ.get("TOKENSWIFT_ATTENTION", "kernel") == "matmul":
+        return None
+    return native.build("attention", SOURCE, ["attend"])
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float) -> Tensor | None:

@@ -6,7 +6,9 @@ can at best reach a / c(n) of vanilla decoding's speed, c(n) being the cost of n
 c(n) stays near 1 up to dozens of tokens; on a CPU it grows at once. `python -m core cost-curve` measures c(n, L)
 for the eager model and, with `--compile`, for the compiled graphs, side by side in one process (sizes and modes
 alternate within every repeat), and prints a markdown table plus JSON. `--matmul-attention` times each mode a
-second time with attention as two matrix products instead of the CPU kernel, side by side too.
+second time with attention as two matrix products instead of the CPU attention kernel, `--library-linear` with the
+library's matrix products (MKL eagerly, inductor's compiled) instead of the few-row CPU linear kernel; side by side
+too.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from core import attention_kernel
+from core import attention_kernel, linear_kernel
 from core.decoding import PREFILL_CHUNK
 from core.kv_cache import KVCache
 
@@ -32,6 +34,8 @@ def add_cost_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=15, help="timed forwards per (L, n, mode); the median is reported")
     p.add_argument("--matmul-attention", action="store_true",
                    help="also time each mode with attention as two matrix products instead of the CPU kernel")
+    p.add_argument("--library-linear", action="store_true",
+                   help="also time each mode with the library's matrix products instead of the few-row CPU kernel")
     p.add_argument("--json", default=None, help="write every figure to this file")
 
 
@@ -57,17 +61,21 @@ def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: i
 
 @torch.inference_mode()
 def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
-            progress: Callable[[str], None] = lambda _: None, matmul_attention: bool = False) -> list[dict[str, Any]]:
+            progress: Callable[[str], None] = lambda _: None, matmul_attention: bool = False,
+            library_linear: bool = False) -> list[dict[str, Any]]:
     """Median milliseconds per (mode, L, n); modes are 'eager' and, if the engine compiles, 'compiled', each also
-    with matrix-product attention ('eager-matmul', 'compiled-matmul') if `matmul_attention`."""
+    with matrix-product attention ('eager-matmul', 'compiled-matmul') if `matmul_attention` and with the library's
+    linear layers ('eager-library', 'compiled-library') if `library_linear`."""
     model, device = engine.model, engine.device
     vocab = model.cfg.vocab_size
     modes: dict[str, Callable[..., Any]] = {"eager": lambda t, p, c, m: model(t, p, c, m)}
     if engine.runner is not None:
         modes["compiled"] = lambda t, p, c, m: engine.runner.forward(t, p, c, m)
+    baseline = list(modes.items())
     if matmul_attention:
-        for name, fwd in list(modes.items()):
-            modes[f"{name}-matmul"] = without_kernel(fwd)
+        modes.update({f"{name}-matmul": without(attention_kernel.disabled, fwd) for name, fwd in baseline})
+    if library_linear:
+        modes.update({f"{name}-library": without(linear_kernel.disabled, fwd) for name, fwd in baseline})
     rows = []
     for context in contexts:
         progress(f"filling a {context}-token cache")
@@ -96,15 +104,17 @@ def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
     return rows
 
 
-def without_kernel(forward: Callable[..., Any]) -> Callable[..., Any]:
+def without(switch: Callable[[], Any], forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` with a kernel switched off by its `disabled()` context."""
     def run(*args: Any) -> Any:
-        with attention_kernel.disabled():
+        with switch():
             return forward(*args)
     return run
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    modes = sorted({r["mode"] for r in rows}, key=["eager", "eager-matmul", "compiled", "compiled-matmul"].index)
+    order = ["eager", "eager-matmul", "eager-library", "compiled", "compiled-matmul", "compiled-library"]
+    modes = sorted({r["mode"] for r in rows}, key=order.index)
     header = "| L | n | " + " | ".join(f"{m} ms | {m} ×n=1" for m in modes) + " |"
     lines = [header, "|" + "---|" * (2 + 2 * len(modes))]
     for context in sorted({r["context"] for r in rows}):
@@ -132,7 +142,8 @@ def run_cost_curve(args: argparse.Namespace) -> int:
     if engine.runner is not None:
         print(f"compiling graphs for sizes {sizes} …", file=sys.stderr)
         engine.runner.warm_up(tuple(sizes))
-    rows = measure(engine, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), args.matmul_attention)
+    rows = measure(engine, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), args.matmul_attention,
+                   args.library_linear)
     print(markdown(rows))
     if args.json:
         report = {"model": engine.loaded.name, "dtype": str(engine.model.dtype), "hardware": hardware(),

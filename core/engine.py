@@ -42,6 +42,7 @@ class Engine:
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
         if self.model.device.type == "cpu" and self.model.dtype == torch.float32:
             attention_kernel.kernel()  # build or load it now, not inside the first generation
+            self.model.pack_for_decoding()
         if compile:
             from core.compiled import CompiledRunner
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core import attention_kernel
+from core import attention_kernel, linear_kernel
 from core.kv_cache import KVCache, PartialKVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -184,6 +184,27 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> T
     return out.view(h, n, d)
 
 
+class PackedLinear(nn.Module):
+    """A frozen nn.Linear whose weight is stored as the few-row CPU kernel's tiles (core/linear_kernel.py): decoding
+    steps run the kernel; more rows (a prefill) unpack the weight for the library's GEMM, a copy per call that costs
+    little next to the GEMM. `keep_weight` keeps the layout-[out, in] weight too (an lm_head tied to the embedding,
+    or whose rows the drafting heads read) instead of unpacking it."""
+
+    def __init__(self, layer: nn.Linear, keep_weight: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.register_buffer("packed", linear_kernel.pack(layer.weight), persistent=False)
+        self.weight = layer.weight if keep_weight else None
+        self.bias = layer.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = linear_kernel.linear(x, self.packed, self.bias, self.out_features)
+        if out is not None:
+            return out
+        weight = self.weight if self.weight is not None else linear_kernel.unpack(self.packed, self.out_features)
+        return F.linear(x, weight, self.bias)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -232,6 +253,19 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    def pack_for_decoding(self) -> bool:
+        """Store the weight matrices as the few-row CPU kernel's tiles (PackedLinear), which decoding steps then
+        run on; False (nothing done) where the kernel does not apply (not float32 on a CPU, no compiler)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or linear_kernel.kernel() is None:
+            return False
+        for block in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                if isinstance(getattr(block, name), nn.Linear):
+                    setattr(block, name, PackedLinear(getattr(block, name)))
+        if isinstance(self.lm_head, nn.Linear):
+            self.lm_head = PackedLinear(self.lm_head, keep_weight=True)  # the embedding and the heads read its rows
+        return True
 
     def new_cache(self, max_len: int) -> KVCache:
         cfg = self.cfg

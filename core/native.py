@@ -1,0 +1,62 @@
+"""Builds our C++ CPU kernels (core/attention_kernel.py, core/linear_kernel.py) with the system's compiler, once per
+machine, and loads them from the cache afterwards.
+
+Each kernel is compiled with torch's cpp_extension (g++ and ninja, which torch.compile needs anyway) into
+TOKENSWIFT_CACHE/kernels/<hash>; the hash covers the source, the CPU's instruction-set flags and torch's version, so a
+cache shared with another machine or torch rebuilds instead of crashing. A kernel that cannot be built (no compiler,
+a read-only cache) is reported once and its caller takes the plain PyTorch path, which computes the same function.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_MODULES: dict[str, Any] = {}  # name -> loaded extension, or None once a build failed
+
+
+def _cpu_flags() -> str:
+    if not os.path.exists("/proc/cpuinfo"):
+        return ""
+    with open("/proc/cpuinfo") as f:
+        return next((line for line in f if line.startswith("flags")), "")
+
+
+def build(name: str, source: str, functions: list[str]) -> Any | None:
+    """The extension compiled from `source` (built on the first call, ~20 s; loaded from the cache later), or None
+    if it cannot be built (warned once)."""
+    if name in _MODULES:
+        return _MODULES[name]
+    from torch.utils.cpp_extension import load_inline
+
+    from core.loading import cache_root
+
+    key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    folder = cache_root() / "kernels" / key
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if shutil.which("ninja") is None:  # requirements.txt's ninja sits beside the interpreter, maybe not on PATH
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        log.info("building the %s kernel in %s (once per machine)", name, folder)
+        module = load_inline(
+            name=f"tokenswift_{name}_{key}", cpp_sources=source, functions=functions, build_directory=str(folder),
+            # -march=native: this CPU's vector units (the hash above ties the binary to them). -fno-trapping-math
+            # only lets masked compares vectorise; no flag here reorders arithmetic.
+            extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: fall back, do not fail generation
+        module = None
+        warnings.warn(f"CPU {name} kernel unavailable ({exc.__class__.__name__}: {exc}); using PyTorch's",
+                      RuntimeWarning, stacklevel=3)
+    _MODULES[name] = module
+    return module
