@@ -271,11 +271,19 @@ def write_plot(runs: list[Run], path: Path, title: str) -> None:
 
 
 def hardware() -> dict[str, Any]:
+    """The machine a figure was measured on: CPU model, family and widest vector unit (two "AMD EPYC" machines may
+    be a Zen 3 with AVX2 or a Zen 5 with AVX-512), threads, torch, GPU."""
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine(), "cpu": platform.processor() or "", "cuda": None}
     try:
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
-    except (OSError, StopIteration):
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        flags = fields.get("flags", "").split()
+        info["cpu"] = fields.get("model name", info["cpu"])
+        info["cpu_family_model"] = f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}"
+        info["vector"] = next((isa for isa in ("avx512f", "avx2", "avx", "sse4_2") if isa in flags), "")
+    except OSError:
         pass
     if torch.cuda.is_available():
         info["cuda"] = torch.cuda.get_device_name()

@@ -6,9 +6,9 @@ can at best reach a / c(n) of vanilla decoding's speed, c(n) being the cost of n
 c(n) stays near 1 up to dozens of tokens; on a CPU it grows at once. `python -m core cost-curve` measures c(n, L)
 for the eager model and, with `--compile`, for the compiled graphs, side by side in one process (sizes and modes
 alternate within every repeat), and prints a markdown table plus JSON. `--matmul-attention` times each mode a
-second time with attention as two matrix products instead of the CPU attention kernel, `--library-linear` with the
-library's matrix products (MKL eagerly, inductor's compiled) instead of the few-row CPU linear kernel; side by side
-too.
+second time with attention as two matrix products instead of the CPU attention kernel, `--library-linear` times the eager
+model a second time on an unpacked copy of its weights, with MKL's matrix products instead of the few-row CPU linear
+kernel (compiled graphs use inductor's GEMMs either way); side by side too.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from core import attention_kernel, linear_kernel
+from core import attention_kernel
 from core.decoding import PREFILL_CHUNK
 from core.kv_cache import KVCache
 
@@ -35,7 +35,7 @@ def add_cost_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-attention", action="store_true",
                    help="also time each mode with attention as two matrix products instead of the CPU kernel")
     p.add_argument("--library-linear", action="store_true",
-                   help="also time each mode with the library's matrix products instead of the few-row CPU kernel")
+                   help="also time the eager model with MKL's matrix products instead of the few-row CPU kernel")
     p.add_argument("--json", default=None, help="write every figure to this file")
 
 
@@ -62,11 +62,11 @@ def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: i
 @torch.inference_mode()
 def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
             progress: Callable[[str], None] = lambda _: None, matmul_attention: bool = False,
-            library_linear: bool = False) -> list[dict[str, Any]]:
-    """Median milliseconds per (mode, L, n); modes are 'eager' and, if the engine compiles, 'compiled', each also
-    with matrix-product attention ('eager-matmul', 'compiled-matmul') if `matmul_attention` and with the library's
-    linear layers ('eager-library', 'compiled-library') if `library_linear`."""
-    model, device = engine.model, engine.device
+            eager_model: Any = None, library_model: Any = None) -> list[dict[str, Any]]:
+    """Median milliseconds per (mode, L, n); modes are 'eager' (`eager_model`, default the engine's) and, if the
+    engine compiles, 'compiled', each also with matrix-product attention ('eager-matmul', 'compiled-matmul') if
+    `matmul_attention`, and 'eager-library' (`library_model`: weights not packed, MKL's products) if given."""
+    model, device = eager_model or engine.model, engine.device
     vocab = model.cfg.vocab_size
     modes: dict[str, Callable[..., Any]] = {"eager": lambda t, p, c, m: model(t, p, c, m)}
     if engine.runner is not None:
@@ -74,8 +74,8 @@ def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
     baseline = list(modes.items())
     if matmul_attention:
         modes.update({f"{name}-matmul": without(attention_kernel.disabled, fwd) for name, fwd in baseline})
-    if library_linear:
-        modes.update({f"{name}-library": without(linear_kernel.disabled, fwd) for name, fwd in baseline})
+    if library_model is not None:
+        modes["eager-library"] = lambda t, p, c, m: library_model(t, p, c, m)
     rows = []
     for context in contexts:
         progress(f"filling a {context}-token cache")
@@ -113,7 +113,7 @@ def without(switch: Callable[[], Any], forward: Callable[..., Any]) -> Callable[
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    order = ["eager", "eager-matmul", "eager-library", "compiled", "compiled-matmul", "compiled-library"]
+    order = ["eager", "eager-matmul", "eager-library", "compiled", "compiled-matmul"]
     modes = sorted({r["mode"] for r in rows}, key=order.index)
     header = "| L | n | " + " | ".join(f"{m} ms | {m} ×n=1" for m in modes) + " |"
     lines = [header, "|" + "---|" * (2 + 2 * len(modes))]
@@ -130,6 +130,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def run_cost_curve(args: argparse.Namespace) -> int:
     from core.bench import hardware
     from core.engine import Engine
+    from core.loading import load_model
 
     contexts = sorted(int(x) for x in args.contexts.split(","))
     sizes = sorted(int(x) for x in args.sizes.split(","))
@@ -142,8 +143,15 @@ def run_cost_curve(args: argparse.Namespace) -> int:
     if engine.runner is not None:
         print(f"compiling graphs for sizes {sizes} …", file=sys.stderr)
         engine.runner.warm_up(tuple(sizes))
+    eager_model, library_model = engine.model, None
+    if engine.runner is not None:  # a compiled engine's graphs take the plain weights; eager decoding packs them
+        eager_model = load_model(args.model, device=args.device).model
+        eager_model.pack_for_decoding()
+        library_model = engine.model if args.library_linear else None
+    elif args.library_linear:
+        library_model = load_model(args.model, device=args.device).model
     rows = measure(engine, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), args.matmul_attention,
-                   args.library_linear)
+                   eager_model, library_model)
     print(markdown(rows))
     if args.json:
         report = {"model": engine.loaded.name, "dtype": str(engine.model.dtype), "hardware": hardware(),

@@ -42,7 +42,8 @@ class Engine:
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
         if self.model.device.type == "cpu" and self.model.dtype == torch.float32:
             attention_kernel.kernel()  # build or load it now, not inside the first generation
-            self.model.pack_for_decoding()
+            if not compile:  # compiled graphs run inductor's GEMMs on the [out, in] weights (faster inside a graph)
+                self.model.pack_for_decoding()
         if compile:
             from core.compiled import CompiledRunner
 

@@ -1,22 +1,21 @@
 """A CPU matrix product for the few rows of a decoding step: y = x W^T + b for 1-32 rows of x, weights read once.
 
-A decoding step multiplies one token, or a small token tree, by every weight of the model, so it is bound by reading
-the weights, and verifying a tree of n tokens should cost about what one token costs. On this CPU the library GEMMs
-do not get there: inductor's cost 10-25% more for 2-4 rows than for one and twice as much for 8 (README,
-Performance). This kernel streams each weight once per step for all rows: weights are packed once into tiles of 16
-output columns ([N/16, K, 16], `pack`), a row's 16 partial sums stay in registers while the tile's K columns stream
-by, and up to 6 rows share every loaded weight vector.
+A decoding step multiplies one token, or a small token tree, by every weight of the model: it is bound by reading
+the weights. MKL's products handle these shapes badly (an eager 2-token step cost 1.5-1.7x a 1-token one); this
+kernel streams each weight once per step for all rows: weights are packed once into tiles of 16 output columns
+([N/16, K, 16], `pack`), a row's 16 partial sums stay in registers while the tile's K columns stream by, and up to
+6 rows share every loaded weight vector. Eager steps run 1.4-2.4x faster with it (README, Performance); compiled
+graphs keep inductor's GEMMs, a few percent faster still inside a graph (core/model.py, PackedLinear).
 
 Every output is the same sequence of fused multiply-adds over k in order, whichever rows came with it: a row's
 result is bit-identical whether it is computed alone or inside a tree, so vanilla decoding and TokenSwift's
-verification see the same floats. `linear` returns None when the kernel does not apply (no compiler, not float32 on a
-CPU, too many rows, TOKENSWIFT_LINEAR=library); the caller then uses nn.Linear, which computes the same function.
+verification see the same floats. `linear` returns None when the kernel does not apply (not float32 on a CPU, too
+many rows); `kernel()` is None without a compiler or with TOKENSWIFT_LINEAR=library, and then nothing is packed.
 """
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,29 +106,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   }
   return out;
 }
-
-TORCH_LIBRARY_FRAGMENT(tokenswift_cpu, m) {
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(tokenswift_cpu, CPU, m) { m.impl("linear", &linear); }
 """
-
-_OFF = False  # set by `disabled()`, for side-by-side measurements
-_FAKE_REGISTERED = False
-
 
 def kernel() -> Any | None:
     """The compiled extension (built on the first call, ~20 s; then loaded from the cache), or None."""
-    global _FAKE_REGISTERED
     if os.environ.get("TOKENSWIFT_LINEAR", "kernel") == "library":
         return None
-    module = native.build("linear", SOURCE, ["linear"])
-    if module is not None and not _FAKE_REGISTERED:
-        # Output shapes for torch.compile's tracing: the op stays a leaf of the graph (its loops are ours).
-        torch.library.register_fake("tokenswift_cpu::linear")(
-            lambda x, packed, bias, n: x.new_empty(x.shape[0], n))
-        _FAKE_REGISTERED = True
-    return module
+    return native.build("linear", SOURCE, ["linear"])
 
 
 def pack(weight: Tensor) -> Tensor:
@@ -147,18 +130,7 @@ def unpack(packed: Tensor, n: int) -> Tensor:
 def linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor | None:
     """x @ W^T + bias from W's packed tiles (made by `pack` once `kernel()` was built), x [R, K]; None where the
     kernel does not apply (the caller uses the unpacked weight)."""
-    if _OFF or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > MAX_ROWS:
         return None
-    return torch.ops.tokenswift_cpu.linear(x, packed, bias, n)
-
-
-@contextmanager
-def disabled() -> Iterator[None]:
-    """Within this block `linear` returns None (the cost curve's A/B of the kernel against the library GEMMs).
-    Compiled graphs read the switch while tracing: each setting gets graphs of its own."""
-    global _OFF
-    previous, _OFF = _OFF, True
-    try:
-        yield
-    finally:
-        _OFF = previous
+    module = kernel()
+    return None if module is None else module.linear(x, packed, bias, n)

@@ -90,10 +90,12 @@ def test_cost_curve_times_eager_and_compiled_forwards(tiny_model_dir: Path, tmp_
     assert all(r["vs_one"] == 1.0 for r in rows if r["n"] == 1)
 
 
-def test_cost_curve_times_matmul_attention_beside_the_kernel(tiny_model_dir: Path, capsys) -> None:
+def test_cost_curve_times_the_kernels_beside_the_library(tiny_model_dir: Path, capsys) -> None:
     assert main(["cost-curve", "--model", str(tiny_model_dir), "--contexts", "40", "--sizes", "1,2", "--repeats", "2",
-                 "--matmul-attention"]) == 0
-    assert "| L | n | eager ms | eager ×n=1 | eager-matmul ms | eager-matmul ×n=1 |" in capsys.readouterr().out
+                 "--matmul-attention", "--library-linear"]) == 0
+    header = ("| L | n | eager ms | eager ×n=1 | eager-matmul ms | eager-matmul ×n=1 | eager-library ms "
+              "| eager-library ×n=1 |")
+    assert header in capsys.readouterr().out
 
 
 def test_cost_curve_refuses_contexts_beyond_the_model(tiny_model_dir: Path, capsys) -> None:

@@ -50,9 +50,6 @@ def test_fallbacks_leave_the_product_to_the_library() -> None:
     assert linear_kernel.linear(torch.randn(linear_kernel.MAX_ROWS + 1, 64), packed, None, 32) is None  # a prefill
     assert linear_kernel.linear(x.bfloat16(), packed, None, 32) is None
     assert linear_kernel.linear(x, packed, None, 32) is not None
-    with linear_kernel.disabled():  # the cost curve's side-by-side switch
-        assert linear_kernel.linear(x, packed, None, 32) is None
-    assert linear_kernel.linear(x, packed, None, 32) is not None
 
 
 def test_pack_round_trips() -> None:
@@ -114,3 +111,12 @@ def test_real_model_logits_in_a_tree_equal_decoding_alone(smol_engine) -> None:
                 else:
                     torch.testing.assert_close(alone[0], together[node], rtol=0, atol=1e-4)
             cache.rollback(n0)
+
+
+def test_engines_pack_for_eager_decoding_only(tiny_model_dir) -> None:
+    from core.engine import Engine
+    from core.model import PackedLinear
+
+    assert isinstance(Engine.load(str(tiny_model_dir), heads=None, device="cpu").model.layers[0].wqkv, PackedLinear)
+    compiled = Engine.load(str(tiny_model_dir), heads=None, device="cpu", compile=True)
+    assert type(compiled.model.layers[0].wqkv) is torch.nn.Linear  # its graphs run inductor's GEMMs
