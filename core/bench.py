@@ -8,8 +8,9 @@ at each shorter length are read off the same run (the time at which its L-th tok
 Methods: `hf` (transformers `generate` on the same weights), `hf-lookup` (its prompt-lookup decoding,
 prompt_lookup_num_tokens=10), `ar` (our vanilla decoding), `tokenswift` (the engine's settings), and variants of it
 that differ in one thing (VARIANTS): each draft mode explicitly, the ablations without the n-gram table, without
-the heads, or without the root head, one that verifies every draft however unlikely, and one that gates drafts on
-their raw scores (the CPU default before calibration).
+the heads, or without the root head, one that verifies every draft however unlikely, one that gates drafts on
+their raw scores (the CPU default before calibration), and one with the compiled CPU's tree (2 nodes, drafts gated
+at 0.25), to try it where other defaults apply (an eager run).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-no-heads": None,
     "tokenswift-always": {"min_draft_score": 0.0},
     "tokenswift-raw-gate": {"calibrate": False, "min_draft_score": 0.35},
+    "tokenswift-tree2": {"tree_budget": 2, "min_draft_score": 0.25},  # the compiled CPU defaults, e.g. run eagerly
 }
 METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,6 +269,7 @@ def write_plot(runs: list[Run], path: Path, title: str) -> None:
         fig.add_trace(go.Scatter(x=xs, y=tps, name=f"{m} tok/s", mode="lines"), row=1, col=2)
     fig.update_xaxes(title_text="generated tokens")
     fig.update_layout(title=title, template="plotly_white")
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.write_html(str(path), include_plotlyjs=True)
 
 
@@ -355,7 +358,8 @@ def run_bench(args: argparse.Namespace) -> int:
                            "options": asdict(engine.options), "compile": args.compile,
                            "command": " ".join(sys.argv)},
               "hardware": hardware(), "rows": rows}
-    if args.json:
+    if args.json:  # a missing folder must not cost the run's figures
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
         write_plot(runs, Path(args.plot), f"{engine.loaded.name}, {args.sampling} sampling")

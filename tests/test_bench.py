@@ -14,7 +14,7 @@ from core.__main__ import main
 def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Write about rivers."}) + "\n" + json.dumps({"prompt": "A letter."}) + "\n")
-    out, plot = tmp_path / "b.json", tmp_path / "b.html"
+    out, plot = tmp_path / "new" / "b.json", tmp_path / "charts" / "b.html"  # folders made on demand
     rc = main(["bench", "--model", str(tiny_model_dir), "--heads", "none", "--prompts", str(prompts),
                "--lengths", "16,40", "--methods", "hf,hf-lookup,ar,tokenswift,tokenswift-separate",
                "--sampling", "paper", "--json", str(out), "--plot", str(plot)])
@@ -46,11 +46,13 @@ def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
     engine = Engine(loaded, DraftHeads.initial(loaded.model, root_width=16))
     prompt = torch.randint(512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     runs = {m: run_ours(engine, m, prompt, 300, PRESETS["greedy"])
-            for m in ("ar", "tokenswift", "tokenswift-no-ngram", "tokenswift-no-heads", "tokenswift-no-root")}
+            for m in ("ar", "tokenswift", "tokenswift-no-ngram", "tokenswift-no-heads", "tokenswift-no-root",
+                      "tokenswift-tree2")}
     assert all(r.token_ids == runs["ar"].token_ids for r in runs.values())
     # on this peaky random model n-gram drafts are sometimes right; each source drafts only where it is on
     assert runs["tokenswift-no-ngram"].from_ngram == 0 < runs["tokenswift"].from_ngram
     assert runs["tokenswift-no-heads"].accepted == runs["tokenswift-no-heads"].from_ngram > 0
+    assert max(runs["tokenswift-tree2"].step_tokens) <= 2 < max(runs["tokenswift"].step_tokens)  # eager: 4 nodes
     assert engine.heads is not None and engine.options.ngram_topk > 0 and engine.options.root_head, "engine untouched"
 
 
