@@ -31,7 +31,7 @@ SOURCE = r"""
 #include <limits>
 #include <type_traits>
 #include <vector>
-
+""" + native.ROW_TILE + r"""
 namespace {
 
 constexpr int64_t kChunk = 256;  // keys per task; a chunk's scores stay in L1/L2
@@ -57,19 +57,12 @@ inline float exp_nonpositive(float x) {
   return x < kMinExp ? 0.0f : p * scale;
 }
 
-// Scores of RB rows for kTile keys, from keys stored transposed (kt[j * ks + l]): the accumulators run along
-// the keys, so no horizontal sums; every loaded key vector serves RB rows.
+// Scores of RB rows for kTile keys, from keys stored transposed (kt[j * ks + l]): a row tile over the head
+// dimensions, its accumulators along the keys.
 template <int RB, int D>
 inline void score_tile(const float* q, const float* kt, int64_t ks, float* p) {
   float acc[RB][kTile] = {};
-  for (int j = 0; j < D; ++j) {
-    const float* kj = kt + j * ks;
-    for (int r = 0; r < RB; ++r) {
-      const float qv = q[r * D + j];
-#pragma omp simd
-      for (int i = 0; i < kTile; ++i) acc[r][i] += qv * kj[i];
-    }
-  }
+  row_tile<RB, kTile>(q, D, kt, ks, D, acc);
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < kTile; ++i) p[r * kChunk + i] = acc[r][i];
 }

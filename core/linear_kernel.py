@@ -32,25 +32,17 @@ SOURCE = r"""
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-
+""" + native.ROW_TILE + r"""
 namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int64_t kMaxRows = 6;  // 6 rows x 16 columns of accumulators: 12 of AVX2's 16 vector registers
 
-// out[r][c] = sum_k x[r][k] * w[k][c] (+ bias[c]) for RB rows and one packed tile w [K, kCols]; each accumulator
-// adds its products in k order, so the result does not depend on RB.
+// out[r][c] = sum_k x[r][k] * w[k][c] (+ bias[c]) for RB rows and one packed tile w [K, kCols].
 template <int RB>
 inline void tile(const float* x, int64_t K, const float* w, const float* bias, float* out, int64_t ldo) {
   float acc[RB][kCols] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * kCols;
-    for (int r = 0; r < RB; ++r) {
-      const float xv = x[r * K + k];
-#pragma omp simd
-      for (int c = 0; c < kCols; ++c) acc[r][c] += xv * wk[c];
-    }
-  }
+  row_tile<RB, kCols>(x, K, w, kCols, K, acc);
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < kCols; ++c) out[r * ldo + c] = bias ? acc[r][c] + bias[c] : acc[r][c];
 }

@@ -1,5 +1,5 @@
 """Builds our C++ CPU kernels (core/attention_kernel.py, core/linear_kernel.py) with the system's compiler, once per
-machine, and loads them from the cache afterwards.
+machine, and loads them from the cache afterwards; holds the register tile both are built on (ROW_TILE).
 
 Each kernel is compiled with torch's cpp_extension (g++ and ninja, which torch.compile needs anyway) into
 TOKENSWIFT_CACHE/kernels/<hash>; the hash covers the source, the CPU's instruction-set flags and torch's version, so a
@@ -22,6 +22,24 @@ import torch
 log = logging.getLogger(__name__)
 
 _MODULES: dict[str, Any] = {}  # name -> loaded extension, or None once a build failed
+
+# The register tile both kernels are built on (C++, pasted into their sources): acc[r][c] += a[r][k] * b[k][c] for
+# RB rows of a, W contiguous columns of b and k = 0..K-1 in order. The accumulators run along b's columns, so they
+# vectorise with no horizontal sums, every loaded vector of b serves RB rows, and each accumulator's additions come
+# in the same order whatever RB is: a row's result never depends on the rows computed with it.
+ROW_TILE = r"""
+template <int RB, int W>
+inline void row_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float (&acc)[RB][W]) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = b + k * ldb;
+    for (int r = 0; r < RB; ++r) {
+      const float ak = a[r * lda + k];
+#pragma omp simd
+      for (int c = 0; c < W; ++c) acc[r][c] += ak * bk[c];
+    }
+  }
+}
+"""
 
 
 def _cpu_flags() -> str:
