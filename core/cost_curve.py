@@ -6,9 +6,9 @@ can at best reach a / c(n) of vanilla decoding's speed, c(n) being the cost of n
 c(n) stays near 1 up to dozens of tokens; on a CPU it grows at once. `python -m core cost-curve` measures c(n, L)
 for the eager model and, with `--compile`, for the compiled graphs, side by side in one process (sizes and modes
 alternate within every repeat), and prints a markdown table plus JSON. `--matmul-attention` times each mode a
-second time with attention as two matrix products instead of the CPU attention kernel, `--library-linear` times the eager
-model a second time on an unpacked copy of its weights, with MKL's matrix products instead of the few-row CPU linear
-kernel (compiled graphs use inductor's GEMMs either way); side by side too.
+second time with attention as two matrix products instead of the CPU attention kernel; `--library-linear` times the
+eager model a second time on an unpacked copy of its weights, with MKL's matrix products instead of the few-row CPU
+linear kernel (compiled graphs use inductor's GEMMs either way); side by side too.
 """
 from __future__ import annotations
 
@@ -71,9 +71,9 @@ def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
     modes: dict[str, Callable[..., Any]] = {"eager": lambda t, p, c, m: model(t, p, c, m)}
     if engine.runner is not None:
         modes["compiled"] = lambda t, p, c, m: engine.runner.forward(t, p, c, m)
-    baseline = list(modes.items())
     if matmul_attention:
-        modes.update({f"{name}-matmul": without(attention_kernel.disabled, fwd) for name, fwd in baseline})
+        for name, fwd in list(modes.items()):
+            modes[f"{name}-matmul"] = without_kernel(fwd)
     if library_model is not None:
         modes["eager-library"] = lambda t, p, c, m: library_model(t, p, c, m)
     rows = []
@@ -104,10 +104,9 @@ def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
     return rows
 
 
-def without(switch: Callable[[], Any], forward: Callable[..., Any]) -> Callable[..., Any]:
-    """`forward` with a kernel switched off by its `disabled()` context."""
+def without_kernel(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
-        with switch():
+        with attention_kernel.disabled():
             return forward(*args)
     return run
 

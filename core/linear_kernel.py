@@ -4,8 +4,8 @@ A decoding step multiplies one token, or a small token tree, by every weight of 
 the weights. MKL's products handle these shapes badly (an eager 2-token step cost 1.5-1.7x a 1-token one); this
 kernel streams each weight once per step for all rows: weights are packed once into tiles of 16 output columns
 ([N/16, K, 16], `pack`), a row's 16 partial sums stay in registers while the tile's K columns stream by, and up to
-6 rows share every loaded weight vector. Eager steps run 1.4-2.4x faster with it (README, Performance); compiled
-graphs keep inductor's GEMMs, a few percent faster still inside a graph (core/model.py, PackedLinear).
+6 rows share every loaded weight vector. Eager steps run 1.5-2.7x faster with it (README, Performance); compiled
+engines keep inductor's GEMMs, a few percent faster still inside a graph (core/model.py, PackedLinear).
 
 Every output is the same sequence of fused multiply-adds over k in order, whichever rows came with it: a row's
 result is bit-identical whether it is computed alone or inside a tree, so vanilla decoding and TokenSwift's
@@ -99,6 +99,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   return out;
 }
 """
+
 
 def kernel() -> Any | None:
     """The compiled extension (built on the first call, ~20 s; then loaded from the cache), or None."""

@@ -187,7 +187,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> T
 class PackedLinear(nn.Module):
     """A frozen nn.Linear whose weight is stored as the few-row CPU kernel's tiles (core/linear_kernel.py).
 
-    Eager decoding steps run the kernel (1.4-2.4x faster than MKL's products for 1-2 rows, README); more rows (a
+    Eager decoding steps run the kernel (1.5-2.7x faster than MKL's products for 1-2 rows, README); more rows (a
     prefill) unpack the weight for the library's GEMM, a copy per call that costs little next to the GEMM.
     `keep_weight` keeps the [out, in] weight too (an lm_head tied to the embedding, or whose rows the drafting heads
     read). Compiled engines do not pack (Engine): inside a graph inductor's GEMMs on plain weights were 3-8% faster
