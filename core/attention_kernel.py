@@ -13,6 +13,7 @@ TOKENSWIFT_ATTENTION=matmul): the caller then takes the matrix-product path, whi
 """
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -225,6 +226,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 _OFF = False  # set by `disabled()`, for side-by-side measurements
 
 
+@functools.cache  # called for every layer of every step: the setting is read, the extension found, once
 def kernel() -> Any | None:
     """The compiled extension (built on the first call, ~20 s; then loaded from the cache), or None."""
     if os.environ.get("TOKENSWIFT_ATTENTION", "kernel") == "matmul":

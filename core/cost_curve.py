@@ -60,13 +60,13 @@ def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: i
 
 
 @torch.inference_mode()
-def measure(engine: Any, contexts: list[int], sizes: list[int], repeats: int,
+def measure(engine: Any, model: Any, contexts: list[int], sizes: list[int], repeats: int,
             progress: Callable[[str], None] = lambda _: None, matmul_attention: bool = False,
-            eager_model: Any = None, library_model: Any = None) -> list[dict[str, Any]]:
-    """Median milliseconds per (mode, L, n); modes are 'eager' (`eager_model`, default the engine's) and, if the
+            library_model: Any = None) -> list[dict[str, Any]]:
+    """Median milliseconds per (mode, L, n); modes are 'eager' (`model`, as eager decoding runs it) and, if the
     engine compiles, 'compiled', each also with matrix-product attention ('eager-matmul', 'compiled-matmul') if
     `matmul_attention`, and 'eager-library' (`library_model`: weights not packed, MKL's products) if given."""
-    model, device = eager_model or engine.model, engine.device
+    device = engine.device
     vocab = model.cfg.vocab_size
     modes: dict[str, Callable[..., Any]] = {"eager": lambda t, p, c, m: model(t, p, c, m)}
     if engine.runner is not None:
@@ -149,8 +149,8 @@ def run_cost_curve(args: argparse.Namespace) -> int:
         library_model = engine.model if args.library_linear else None
     elif args.library_linear:
         library_model = load_model(args.model, device=args.device).model
-    rows = measure(engine, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), args.matmul_attention,
-                   eager_model, library_model)
+    rows = measure(engine, eager_model, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr),
+                   args.matmul_attention, library_model)
     print(markdown(rows))
     if args.json:
         report = {"model": engine.loaded.name, "dtype": str(engine.model.dtype), "hardware": hardware(),

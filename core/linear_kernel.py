@@ -14,6 +14,7 @@ many rows); `kernel()` is None without a compiler or with TOKENSWIFT_LINEAR=libr
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -101,6 +102,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
 """
 
 
+@functools.cache  # called for every layer of every step: the setting is read, the extension found, once
 def kernel() -> Any | None:
     """The compiled extension (built on the first call, ~20 s; then loaded from the cache), or None."""
     if os.environ.get("TOKENSWIFT_LINEAR", "kernel") == "library":
