@@ -63,9 +63,15 @@ def dense_forward(model: Transformer, heads: DraftHeads | None, tokens: Tensor, 
 
 
 def configure_inductor() -> None:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from core.loading import cache_root
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    # Torch writes its default (a temp folder) into the variable the first time anything asks for it, and loading
+    # a model does: so only a value other than that default is a user's choice to keep.
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True  # weights become constants: prepacked for inductor's own GEMMs

@@ -1,15 +1,16 @@
 """The compiled runner computes what the eager model computes: one-token steps and padded tree blocks."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
-from core.compiled import CompiledRunner
+from core.compiled import CompiledRunner, configure_inductor
 from core.heads import DraftHeads
 from core.decoding import GenerationConfig
 from core.engine import Engine
-from core.loading import load_model
+from core.loading import cache_root, load_model
 from core.sampling import PRESETS
 from core.tokenswift import TokenSwiftOptions
 from core.tree import TreeBuilder
@@ -93,3 +94,19 @@ def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: 
                                                          ignore_eos=True))
     assert len(calls) == len(ts.steps) - 1  # every step after the first drafts through the root head's graph
     assert all(s.tree_size == 2 for s in ts.steps[1:])
+
+
+def test_compiled_code_is_cached_under_the_model_cache(tmp_path: Path, monkeypatch) -> None:
+    """Loading a model makes torch write its default cache folder (a temp folder) into TORCHINDUCTOR_CACHE_DIR:
+    the runner still caches its graphs under TOKENSWIFT_CACHE, and keeps a folder the user chose."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu")
+    cache_dir()  # what torch does on its first compile-related call
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir())
+    configure_inductor()
+    assert cache_dir() == str(cache_root() / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    configure_inductor()
+    assert cache_dir() == str(tmp_path / "mine")
