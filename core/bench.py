@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from core import native
+
 # TokenSwift variants: the engine's options they change (None: drop the heads; drafting from n-grams only)
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-fused": {"draft_mode": "fused"},
@@ -278,16 +280,12 @@ def hardware() -> dict[str, Any]:
     be a Zen 3 with AVX2 or a Zen 5 with AVX-512), threads, torch, GPU."""
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine(), "cpu": platform.processor() or "", "cuda": None}
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = native.cpu_info()
+    if fields:
         flags = fields.get("flags", "").split()
         info["cpu"] = fields.get("model name", info["cpu"])
         info["cpu_family_model"] = f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}"
         info["vector"] = next((isa for isa in ("avx512f", "avx2", "avx", "sse4_2") if isa in flags), "")
-    except OSError:
-        pass
     if torch.cuda.is_available():
         info["cuda"] = torch.cuda.get_device_name()
     return info

@@ -42,11 +42,14 @@ inline void row_tile(const float* a, int64_t lda, const float* b, int64_t ldb, i
 """
 
 
-def _cpu_flags() -> str:
-    if not os.path.exists("/proc/cpuinfo"):
-        return ""
-    with open("/proc/cpuinfo") as f:
-        return next((line for line in f if line.startswith("flags")), "")
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "flags", ...); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
 
 
 def build(name: str, source: str, functions: list[str]) -> Any | None:
@@ -58,7 +61,7 @@ def build(name: str, source: str, functions: list[str]) -> Any | None:
 
     from core.loading import cache_root
 
-    key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    key = hashlib.sha256((source + cpu_info().get("flags", "") + torch.__version__).encode()).hexdigest()[:12]
     folder = cache_root() / "kernels" / key
     try:
         folder.mkdir(parents=True, exist_ok=True)

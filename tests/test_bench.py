@@ -29,7 +29,10 @@ def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: P
         for m in ("tokenswift", "tokenswift-separate"):
             assert rows[(m, L)]["ids_equal_ar"] is True and rows[(m, L)]["tokens_per_step"] >= 1.0
         assert rows[("hf", L)]["decode_tok_s"] > 0 and rows[("hf", L)]["peak_rss_mb"] > 0
-    assert report["hardware"]["threads"] >= 1 and report["settings"]["sampling"] == "paper"
+    hw = report["hardware"]
+    assert hw["threads"] >= 1 and report["settings"]["sampling"] == "paper"
+    if Path("/proc/cpuinfo").is_file() and hw["machine"] == "x86_64":  # the CPU is named, with its vector unit
+        assert hw["cpu"] and hw["vector"] in ("avx512f", "avx2", "avx", "sse4_2") and "/" in hw["cpu_family_model"]
     html = plot.read_text()
     assert "<html>" in html and "speedup over ar" in html
 
