@@ -9,6 +9,11 @@ alternate within every repeat), and prints a markdown table plus JSON. `--matmul
 second time with attention as two matrix products instead of the CPU attention kernel; `--library-linear` times the
 eager model a second time on an unpacked copy of its weights, with MKL's matrix products instead of the few-row CPU
 linear kernel (compiled graphs use inductor's GEMMs either way); side by side too.
+
+On a CPU it also prints each context's memory floor: a one-token step must read every weight matrix and the cached
+keys and values once, so it cannot take less than those bytes over the rate at which this machine reads memory
+(timed between the forwards, as a sum over a buffer far larger than the caches: the median). A step near its floor leaves nothing to gain but
+reading fewer bytes; verifying more tokens per read is then all TokenSwift can add.
 """
 from __future__ import annotations
 
@@ -62,10 +67,11 @@ def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: i
 @torch.inference_mode()
 def measure(engine: Any, model: Any, contexts: list[int], sizes: list[int], repeats: int,
             progress: Callable[[str], None] = lambda _: None, matmul_attention: bool = False,
-            library_model: Any = None) -> list[dict[str, Any]]:
+            library_model: Any = None, read_rate: ReadRate | None = None) -> list[dict[str, Any]]:
     """Median milliseconds per (mode, L, n); modes are 'eager' (`model`, as eager decoding runs it) and, if the
     engine compiles, 'compiled', each also with matrix-product attention ('eager-matmul', 'compiled-matmul') if
-    `matmul_attention`, and 'eager-library' (`library_model`: weights not packed, MKL's products) if given."""
+    `matmul_attention`, and 'eager-library' (`library_model`: weights not packed, MKL's products) if given.
+    `read_rate`, if given, samples the memory's read rate once per repeat, between the forwards."""
     device = engine.device
     vocab = model.cfg.vocab_size
     modes: dict[str, Callable[..., Any]] = {"eager": lambda t, p, c, m: model(t, p, c, m)}
@@ -92,6 +98,8 @@ def measure(engine: Any, model: Any, contexts: list[int], sizes: list[int], repe
         for r in range(repeats):
             progress(f"L={context}: repeat {r + 1}/{repeats}")
             order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]  # rotate so drift hits every size alike
+            if read_rate is not None:
+                read_rate.sample()
             for n in order:
                 for name, fwd in (modes.items() if r % 2 == 0 else reversed(modes.items())):
                     times[(name, n)].append(time_forward(fwd, cache, context, n, vocab, device))
@@ -102,6 +110,39 @@ def measure(engine: Any, model: Any, contexts: list[int], sizes: list[int], repe
                 rows.append({"mode": name, "context": context, "n": n, "ms": round(ms, 2),
                              "vs_one": round(ms / (1000 * one), 3) if one else None})
     return rows
+
+
+def step_bytes(cfg: Any, context: int, element_size: int) -> int:
+    """Bytes a one-token forward reads at least: every weight matrix (the layers' and the lm_head; the embedding
+    lookup reads one row) and the keys and values of `context` cached tokens."""
+    h, q, kv, inner = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    layer = h * (q + 2 * kv) + q * h + 3 * h * inner  # wqkv, wo, gate + up, down
+    return element_size * (cfg.n_layers * (layer + 2 * kv * context) + cfg.vocab_size * h)
+
+
+class ReadRate:
+    """Bytes per second this CPU reads from memory with torch's threads, sampled between the timed forwards (a sum
+    over a buffer far beyond any cache), so that the floor sees the same contention as the steps it bounds."""
+
+    def __init__(self, mib: int = 512):
+        self.buffer = torch.ones(mib * 2**20 // 4)
+        self.buffer.sum()  # untimed: pages touched
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        t0 = time.perf_counter()
+        self.buffer.sum()
+        self.samples.append(self.buffer.numel() * 4 / (time.perf_counter() - t0))
+
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+
+def memory_floor(model: Any, contexts: list[int], bandwidth: float) -> list[dict[str, Any]]:
+    """Per context: the megabytes a one-token step reads and the milliseconds that takes at `bandwidth` bytes/s."""
+    size = model.dtype.itemsize
+    return [{"context": L, "mb": round(step_bytes(model.cfg, L, size) / 1e6, 1),
+             "floor_ms": round(1000 * step_bytes(model.cfg, L, size) / bandwidth, 2)} for L in contexts]
 
 
 def without_kernel(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -149,12 +190,19 @@ def run_cost_curve(args: argparse.Namespace) -> int:
         library_model = engine.model if args.library_linear else None
     elif args.library_linear:
         library_model = load_model(args.model, device=args.device).model
+    read_rate = ReadRate() if engine.device.type == "cpu" else None
     rows = measure(engine, eager_model, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr),
-                   args.matmul_attention, library_model)
+                   args.matmul_attention, library_model, read_rate)
     print(markdown(rows))
+    floor = None
+    if read_rate is not None:
+        bandwidth = read_rate.median()
+        floor = {"read_gb_s": round(bandwidth / 1e9, 1), "rows": memory_floor(engine.model, contexts, bandwidth)}
+        print(f"\nMemory floor of a one-token step (this CPU reads {floor['read_gb_s']} GB/s): "
+              + ", ".join(f"L={r['context']}: {r['mb']:.0f} MB, {r['floor_ms']:.1f} ms" for r in floor["rows"]))
     if args.json:
         report = {"model": engine.loaded.name, "dtype": str(engine.model.dtype), "hardware": hardware(),
-                  "repeats": args.repeats, "rows": rows}
+                  "repeats": args.repeats, "rows": rows, "memory_floor": floor}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -93,6 +93,19 @@ def test_cost_curve_times_eager_and_compiled_forwards(tiny_model_dir: Path, tmp_
         (m, L, n) for m in ("eager", "compiled") for L in (40, 100) for n in (1, 3)}
     assert all(r["ms"] > 0 for r in rows)
     assert all(r["vs_one"] == 1.0 for r in rows if r["n"] == 1)
+    # the memory floor counts the model's real weight matrices and its keys/values at each L
+    assert "Memory floor of a one-token step" in table
+    floor = json.loads(out.read_text())["memory_floor"]
+    from core.loading import load_model
+
+    model = load_model(str(tiny_model_dir)).model
+    cfg = model.cfg
+    weights = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) + model.lm_head.weight.numel()
+    assert floor["read_gb_s"] > 0 and [r["context"] for r in floor["rows"]] == [40, 100]
+    for r in floor["rows"]:
+        kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * r["context"]
+        assert r["mb"] == round(4 * (weights + kv) / 1e6, 1)
+        assert r["floor_ms"] == pytest.approx(4 * (weights + kv) / (floor["read_gb_s"] * 1e9) * 1000, rel=0.06)
 
 
 def test_cost_curve_times_the_kernels_beside_the_library(tiny_model_dir: Path, capsys) -> None:
