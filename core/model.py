@@ -194,12 +194,16 @@ class PackedLinear(nn.Module):
     than the kernel, and a traced PackedLinear only unpacks.
     """
 
-    def __init__(self, layer: nn.Linear, keep_weight: bool = False):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, keep_weight: bool = False):
         super().__init__()
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.register_buffer("packed", linear_kernel.pack(layer.weight), persistent=False)
-        self.weight = layer.weight if keep_weight else None
-        self.bias = layer.bias
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", linear_kernel.pack(weight), persistent=False)
+        self.weight = weight if keep_weight else None
+        self.bias = bias
+
+    @classmethod
+    def of(cls, layer: nn.Linear, keep_weight: bool = False) -> "PackedLinear":
+        return cls(layer.weight, layer.bias, keep_weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.compiler.is_compiling():
@@ -267,9 +271,9 @@ class Transformer(nn.Module):
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 if isinstance(getattr(block, name), nn.Linear):
-                    setattr(block, name, PackedLinear(getattr(block, name)))
+                    setattr(block, name, PackedLinear.of(getattr(block, name)))
         if isinstance(self.lm_head, nn.Linear):
-            self.lm_head = PackedLinear(self.lm_head, keep_weight=True)  # the embedding and the heads read its rows
+            self.lm_head = PackedLinear.of(self.lm_head, keep_weight=True)  # the embedding and the heads read its rows
         return True
 
     def new_cache(self, max_len: int) -> KVCache:

@@ -118,3 +118,33 @@ def test_engines_pack_for_eager_decoding_only(tiny_model_dir) -> None:
     assert isinstance(Engine.load(str(tiny_model_dir), heads=None, device="cpu").model.layers[0].wqkv, PackedLinear)
     compiled = Engine.load(str(tiny_model_dir), heads=None, device="cpu", compile=True)
     assert type(compiled.model.layers[0].wqkv) is torch.nn.Linear  # its graphs run inductor's GEMMs
+
+
+@pytest.mark.parametrize("vocab", [True, False])
+def test_eager_engines_pack_the_heads_too(tiny_model_dir, vocab: bool) -> None:
+    """An eager engine stores its heads' matrices and the lm_head rows they score as kernel tiles; their logits
+    are the plain products' to float rounding, for a handful of rows (the kernel) and for more (plain rows)."""
+    from core.engine import Engine
+    from core.heads import DraftHeads
+    from core.loading import load_model
+    from core.model import PackedLinear
+
+    loaded = load_model(str(tiny_model_dir), device="cpu")
+    model = loaded.model
+    ids = torch.arange(0, model.cfg.vocab_size, 3) if vocab else None
+    heads = DraftHeads.initial(model, vocab=ids, root_width=32)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    if vocab:
+        heads.keep_root_ids(ids[::2])
+    h = torch.randn(linear_kernel.MAX_ROWS // 3 + 4, model.cfg.hidden_size)
+    roots = torch.randint(model.cfg.vocab_size, (len(h),))
+    with torch.inference_mode():
+        plain = [(heads.logits(h[:n], model), heads.root_logits(h[:n], roots[:n], model)) for n in (4, len(h))]
+        engine = Engine(loaded, heads)
+        assert isinstance(heads.proj[0], PackedLinear) and isinstance(heads.root.up, PackedLinear)
+        # the whole-vocabulary heads reuse the model's packed lm_head instead of a second copy
+        assert (heads._packed["lm"] is engine.model.lm_head) == (not vocab)
+        for n, (logits, root) in zip((4, len(h)), plain):
+            torch.testing.assert_close(heads.logits(h[:n], model), logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(heads.root_logits(h[:n], roots[:n], model), root, rtol=1e-5, atol=1e-5)
