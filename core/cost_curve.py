@@ -12,8 +12,8 @@ linear kernel (compiled graphs use inductor's GEMMs either way); side by side to
 
 On a CPU it also prints each context's memory floor: a one-token step must read every weight matrix and the cached
 keys and values once, so it cannot take less than those bytes over the rate at which this machine reads memory
-(timed between the forwards, as a sum over a buffer far larger than the caches: the median). A step near its floor leaves nothing to gain but
-reading fewer bytes; verifying more tokens per read is then all TokenSwift can add.
+(timed between the forwards, as a sum over a buffer far larger than the caches; the median). A step near its floor
+leaves nothing to gain but reading fewer bytes; verifying more tokens per read is then all TokenSwift can add.
 """
 from __future__ import annotations
 
