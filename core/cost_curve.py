@@ -140,9 +140,8 @@ class ReadRate:
 
 def memory_floor(model: Any, contexts: list[int], bandwidth: float) -> list[dict[str, Any]]:
     """Per context: the megabytes a one-token step reads and the milliseconds that takes at `bandwidth` bytes/s."""
-    size = model.dtype.itemsize
-    return [{"context": L, "mb": round(step_bytes(model.cfg, L, size) / 1e6, 1),
-             "floor_ms": round(1000 * step_bytes(model.cfg, L, size) / bandwidth, 2)} for L in contexts]
+    reads = {L: step_bytes(model.cfg, L, model.dtype.itemsize) for L in contexts}
+    return [{"context": L, "mb": round(b / 1e6, 1), "floor_ms": round(1000 * b / bandwidth, 2)} for L, b in reads.items()]
 
 
 def without_kernel(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -157,7 +157,7 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
     skip = len(candidates) - (1 if backbone is not None else 0)
     more = min(depth - len(candidates), heads.n_heads - skip)
     if more > 0:
-        if head_logits is None:  # the compiled graph left the heads out (Engine.graph_heads)
+        if head_logits is None:  # no forward computed them (eager, or a graph without them: Engine.graph_heads)
             head_logits = heads.logits(h_last[None], engine.model)[:, 0]
         ids, p = heads.candidates(sampler.draft_scores(head_logits[skip:skip + more], heads.vocab), opt.head_topk,
                                   noise(root_pos + 1 + len(candidates), more))
@@ -172,9 +172,8 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
     device = engine.device
     cache = gen.new_cache()
     logits, h = gen.prefill(cache)
-    # the heads' predictions of the tokens after the next root, from the last position the model has processed
-    head_logits = engine.heads.logits(h[None], engine.model)[:, 0] if engine.heads is not None else None
-    h_last = h  # the hidden state the heads were read from
+    h_last = h  # the hidden state the heads read: the last position the model has processed
+    head_logits = None  # their logits, if a forward computed them; else drafting computes them when it needs them
     table = NGramTable(opt.ngram_n)
     table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
     partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
