@@ -560,6 +560,9 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         remembered = gr.BrowserState({"project_id": None, "chapter_id": None, "compare_id": None},
                                      storage_key=BROWSER_KEY, secret="tokenswift-studio")
         timer = gr.Timer(ctx.poll_s)
+        # The Compare tab's poll runs only while that tab is open: every poll is a round trip that the page's
+        # scripts handle (a third of a core in Chromium for an idle page polling twice a second, here).
+        compare_timer = gr.Timer(ctx.poll_s, active=False)
         # Owner ids of what the premise / chapter fields currently show (see the module docstring).
         project_owner = gr.Number(value=0, visible=False, precision=0)
         chapter_owner = gr.Number(value=0, visible=False, precision=0)
@@ -598,7 +601,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
 
         with gr.Tabs(elem_id="tabs"):
             # -- Write --
-            with gr.Tab("Write", id="write", elem_id="tab-write"):
+            with gr.Tab("Write", id="write", elem_id="tab-write") as write_tab:
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=3, min_width=460):
                         with gr.Row(equal_height=True):
@@ -634,7 +637,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                         write_plots = _plots("write")
 
             # -- Compare --
-            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare") as compare_tab:
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=3):
                         cmp_prompt = gr.Textbox(label="Prompt", lines=5, max_lines=12, elem_id="compare-prompt",
@@ -710,8 +713,13 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         # The polls first: follow-up refreshes below reuse their functions, and the first registration gets the name.
         timer.tick(h.refresh, [view, cache, remembered], write_poll_outs, api_name="refresh", concurrency_limit=8,
                    concurrency_id="poll", **quiet)
-        timer.tick(h.refresh_compare, [view, cache, remembered], cmp_poll_outs, api_name="refresh_compare",
-                   concurrency_limit=8, concurrency_id="poll", **quiet)
+        compare_timer.tick(h.refresh_compare, [view, cache, remembered], cmp_poll_outs, api_name="refresh_compare",
+                           concurrency_limit=8, concurrency_id="poll", **quiet)
+        compare_tab.select(lambda: gr.Timer(active=True), None, compare_timer, api_visibility="private",
+                           **quiet).then(h.refresh_compare, [view, cache, remembered], cmp_poll_outs,
+                                         api_visibility="private", **quiet)
+        for tab in (write_tab, history_tab):
+            tab.select(lambda: gr.Timer(active=False), None, compare_timer, api_visibility="private", **quiet)
         loaded = demo.load(h.load, [view, remembered], project_outs + [new_acc, cmp_pick], api_name="load")
         then_refresh(loaded).then(h.comparisons_table, None, cmp_table, api_visibility="private", **quiet)
 

@@ -65,6 +65,26 @@ def test_blocks_build_with_named_api():
         assert f"/{name}" in names, name
 
 
+def test_the_compare_poll_runs_only_while_its_tab_is_open():
+    """Every poll is a round trip the page's scripts handle, beside the model on a small machine: the Compare tab's
+    poll has its own timer, off until that tab is selected, on while it is, off again when another tab is."""
+    with storage.open_database(":memory:") as db:
+        demo = build_ui(StudioContext(db=db, model=MODEL))
+    fns = list(demo.fns.values())
+    timer_of = {fn.api_name: demo.blocks[fn.targets[0][0]] for fn in fns
+                if fn.api_name in ("refresh", "refresh_compare")}
+    write_timer, compare_timer = timer_of["refresh"], timer_of["refresh_compare"]
+    assert isinstance(compare_timer, gr.Timer) and compare_timer is not write_timer
+    assert write_timer.active and not compare_timer.active
+    tabs = {block.label: block for block in demo.blocks.values() if isinstance(block, gr.Tab)}
+    switches = {}
+    for fn in fns:
+        if fn.targets[0][1] == "select" and compare_timer in fn.outputs:
+            switches[demo.blocks[fn.targets[0][0]].label] = fn.fn().active
+    assert switches == {"Write": False, "Compare": True, "History & export": False}
+    assert set(switches) == set(tabs)
+
+
 def test_create_generate_and_watch_progress(h, db):
     view, cache = View(), LiveCache()
     new_project(h, view)
