@@ -1,15 +1,18 @@
 """Compiled forward passes: the decoder as a few fixed-size graphs (torch.compile, inductor, weights frozen).
 
-On this model's shapes inductor's own micro-GEMMs run a one-token step about twice as fast as eager PyTorch, and
-several tokens cost little more than one (README, Performance). Graphs specialise on shapes, so a forward of n tokens
+On this model's shapes inductor's own micro-GEMMs run a one-token step about twice as fast as eager PyTorch with
+MKL's products (1.2x as fast as our eager kernels), and several tokens cost little more than one (README,
+Performance). Graphs specialise on shapes, so a forward of n tokens
 is padded up to the next size in `SIZES`; padding rows attend only to themselves and are never kept in the cache.
 Attention stays outside the graph, as a custom op that reads and writes the KV cache: its length changes every step
-and would otherwise force a recompilation each time. Compiled code and autotuning results are cached on disk under
-TOKENSWIFT_CACHE, so later starts skip most of the work. Prefill chunks and any size beyond the largest graph run
-eagerly; both paths compute the same function.
+and would otherwise force a recompilation each time. The kernels' compiled code is cached on disk under
+TOKENSWIFT_CACHE, but every start lowers the graphs again (about 1.5 minutes per graph on a 2-core CPU, more the
+first time; configure_inductor says why). Prefill chunks and any size beyond the largest graph run eagerly; both
+paths compute the same function.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Callable
@@ -75,8 +78,23 @@ def configure_inductor() -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True  # weights become constants: prepacked for inductor's own GEMMs
-    inductor_config.fx_graph_cache = True  # (graphs with mkldnn-packed weights are rebuilt each start, ~18 s)
+    # The graph cache cannot hold graphs with mkldnn-packed weights (torch bypasses it for them): each start lowers
+    # every graph again, ~1.5 min per graph on a 2-core CPU. Without the packing the cache hits, but a step is 2-4x
+    # slower (no GEMM templates), so the packing stays; the cache still serves the compiled kernels' code.
+    inductor_config.fx_graph_cache = True
+    cache_gemm_templates()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(SIZES))
+
+
+def cache_gemm_templates() -> None:
+    """Parse each of inductor's Jinja kernel templates once per process: it parses the same template source again
+    for every GEMM it lowers (hundreds per graph), which made up a quarter of a warm-up here (199 -> 151 s for the
+    default model's graphs). A parsed template is immutable, so sharing it changes no generated code."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    parse = KernelTemplate.__dict__.get("_template_from_string")
+    if isinstance(parse, staticmethod) and not hasattr(parse.__func__, "cache_info"):
+        KernelTemplate._template_from_string = staticmethod(functools.cache(parse.__func__))
 
 
 class CompiledRunner:
@@ -112,8 +130,8 @@ class CompiledRunner:
 
     def warm_up(self, sizes: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
                 root: bool = False) -> float:
-        """Compile the graphs for `sizes` (and the root head's, if `root`) now: minutes the first time, seconds
-        from the disk cache."""
+        """Compile the graphs for `sizes` (and the root head's, if `root`) now: minutes, at every start (see
+        configure_inductor)."""
         t0 = time.perf_counter()
         if root and self._root_fn is not None and not self.root_ready:
             if progress:

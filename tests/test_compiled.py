@@ -110,3 +110,16 @@ def test_compiled_code_is_cached_under_the_model_cache(tmp_path: Path, monkeypat
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     configure_inductor()
     assert cache_dir() == str(tmp_path / "mine")
+
+
+def test_inductor_parses_each_kernel_template_once() -> None:
+    """configure_inductor makes inductor reuse a parsed Jinja template (it re-parsed one per GEMM it lowered, a
+    quarter of a warm-up); a second call does not wrap it twice, and a shared template still renders."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    configure_inductor()
+    configure_inductor()
+    parse = KernelTemplate._template_from_string
+    source = "{{ a }} + {{ b }}"
+    assert parse(source) is parse(source) and parse(source).render(a=1, b=2) == "1 + 2"
+    assert hasattr(parse, "cache_info") and not hasattr(parse.__wrapped__, "cache_info")
