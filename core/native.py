@@ -67,9 +67,13 @@ def build(name: str, source: str, functions: list[str]) -> Any | None:
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.which("ninja") is None:  # requirements.txt's ninja sits beside the interpreter, maybe not on PATH
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        log.info("building the %s kernel in %s (once per machine)", name, folder)
+        module_name = f"tokenswift_{name}_{key}"
+        if (folder / f"{module_name}.so").exists():
+            log.info("loading the %s kernel from %s", name, folder)
+        else:
+            log.info("building the %s kernel in %s (once per machine)", name, folder)
         module = load_inline(
-            name=f"tokenswift_{name}_{key}", cpp_sources=source, functions=functions, build_directory=str(folder),
+            name=module_name, cpp_sources=source, functions=functions, build_directory=str(folder),
             # -march=native: this CPU's vector units (the hash above ties the binary to them). -fno-trapping-math
             # only lets masked compares vectorise; no flag here reorders arithmetic.
             extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"],
