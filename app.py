@@ -86,8 +86,8 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
     p.add_argument("--no-worker", action="store_true", help="serve the UI only; run `python -m app.worker` "
                                                             "separately on the same database")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the model's graphs in the worker: about 2x faster decoding on a CPU, a minute more "
-                        "to start (default: $TOKENSWIFT_COMPILE, else on for a CPU)")
+                   help="compile the model's graphs in the worker: a step ~1.2x faster on a CPU, 2-3 minutes "
+                        "more at every start (default: $TOKENSWIFT_COMPILE, else on for a CPU)")
     p.add_argument("--log-level", default=env.get("TOKENSWIFT_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     port = args.port if args.port is not None else int(env.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)

@@ -298,7 +298,7 @@ class Worker:
         if compile:
             # Compile now, under the "compiling" state, rather than inside the first user's run (compiled graphs
             # that were not warmed up are skipped, so without this compiling would not take effect at all).
-            self._set_state("compiling", "Compiling the model's graphs (minutes the first time)…")
+            self._set_state("compiling", "Compiling the model's graphs (a few minutes)…")
             engine.warm_up(lambda what: self._set_state("compiling", f"Compiling: {what}…"))
         if engine.heads is None:
             warn_once(engine, NO_HEADS_NOTICE)
