@@ -561,7 +561,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                                      storage_key=BROWSER_KEY, secret="tokenswift-studio")
         timer = gr.Timer(ctx.poll_s)
         # The Compare tab's poll runs only while that tab is open: every poll is a round trip that the page's
-        # scripts handle (a third of a core in Chromium for an idle page polling twice a second, here).
+        # scripts handle, beside the model on a small machine (an idle page took 35% of a core in Chromium here
+        # with both polls running, 24% with one).
         compare_timer = gr.Timer(ctx.poll_s, active=False)
         # Owner ids of what the premise / chapter fields currently show (see the module docstring).
         project_owner = gr.Number(value=0, visible=False, precision=0)

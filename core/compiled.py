@@ -2,13 +2,12 @@
 
 On this model's shapes inductor's own micro-GEMMs run a one-token step about twice as fast as eager PyTorch with
 MKL's products (1.2x as fast as our eager kernels), and several tokens cost little more than one (README,
-Performance). Graphs specialise on shapes, so a forward of n tokens
-is padded up to the next size in `SIZES`; padding rows attend only to themselves and are never kept in the cache.
-Attention stays outside the graph, as a custom op that reads and writes the KV cache: its length changes every step
-and would otherwise force a recompilation each time. The kernels' compiled code is cached on disk under
-TOKENSWIFT_CACHE, but every start lowers the graphs again (about 1.5 minutes per graph on a 2-core CPU, more the
-first time; configure_inductor says why). Prefill chunks and any size beyond the largest graph run eagerly; both
-paths compute the same function.
+Performance). Graphs specialise on shapes, so a forward of n tokens is padded up to the next size in `SIZES`;
+padding rows attend only to themselves and are never kept in the cache. Attention stays outside the graph, as a
+custom op that reads and writes the KV cache: its length changes every step and would otherwise force a
+recompilation each time. The kernels' compiled code is cached on disk under TOKENSWIFT_CACHE, but every start lowers
+the graphs again (1-1.5 minutes per graph on a 2-core CPU, more the first time; configure_inductor says why).
+Prefill chunks and any size beyond the largest graph run eagerly; both paths compute the same function.
 """
 from __future__ import annotations
 
@@ -79,7 +78,7 @@ def configure_inductor() -> None:
 
     inductor_config.freezing = True  # weights become constants: prepacked for inductor's own GEMMs
     # The graph cache cannot hold graphs with mkldnn-packed weights (torch bypasses it for them): each start lowers
-    # every graph again, ~1.5 min per graph on a 2-core CPU. Without the packing the cache hits, but a step is 2-4x
+    # every graph again, 1-1.5 min per graph on a 2-core CPU. Without the packing the cache hits, but a step is 2-4x
     # slower (no GEMM templates), so the packing stays; the cache still serves the compiled kernels' code.
     inductor_config.fx_graph_cache = True
     cache_gemm_templates()
