@@ -128,16 +128,17 @@ class DraftHeads(nn.Module):
         n = h0.shape[0]
         # one matrix product for all heads: the lm_head rows are read once
         states = torch.cat(self.states(h0))
-        lm = self._packed.get("lm")
-        out = lm(states) if lm is not None else torch.nn.functional.linear(states, self.lm_weight(model))
-        return out.float().view(self.n_heads, n, -1)
+        return self._score(states, "lm", self.lm_weight(model)).view(self.n_heads, n, -1)
 
     def root_logits(self, h0: Tensor, roots: Tensor, model: Transformer) -> Tensor:
         """[n, len(root_ids)] logits of the root head for hidden states h0 [n, hidden] followed by the tokens
         `roots` [n]."""
-        state = self.root(h0, model.embed(roots))
-        lm = self._packed.get("root_lm")
-        return (lm(state) if lm is not None else torch.nn.functional.linear(state, self.root_lm_weight(model))).float()
+        return self._score(self.root(h0, model.embed(roots)), "root_lm", self.root_lm_weight(model))
+
+    def _score(self, states: Tensor, packed: str, rows: Tensor) -> Tensor:
+        """fp32 logits of post-norm states over lm_head `rows`, through their kernel tiles if packed."""
+        lm = self._packed.get(packed)
+        return (lm(states) if lm is not None else torch.nn.functional.linear(states, rows)).float()
 
     def pack_for_decoding(self, model: Transformer) -> None:
         """Store the heads' matrices, and the lm_head rows they score, as the few-row CPU kernel's tiles, as
