@@ -50,7 +50,7 @@ class AppSettings:
     heads: str | None
     device: str | None
     worker: bool
-    compile: bool | None  # None: compile on a CPU (where it doubles the speed), not on a GPU
+    compile: bool | None  # None: on a CPU compile while idle (app.worker), on a GPU never
     log_level: str
 
 
@@ -86,8 +86,10 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
     p.add_argument("--no-worker", action="store_true", help="serve the UI only; run `python -m app.worker` "
                                                             "separately on the same database")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the model's graphs in the worker: a step ~1.2x faster on a CPU, 2-3 minutes "
-                        "more at every start (default: $TOKENSWIFT_COMPILE, else on for a CPU)")
+                   help="compile the model's graphs before the worker's first run (a step ~1.2x faster on a "
+                        "CPU; 2-3 minutes at every start); --no-compile: never (default: $TOKENSWIFT_COMPILE, "
+                        "else auto: on a CPU, runs start eagerly at once and the graphs compile while the queue "
+                        "is empty)")
     p.add_argument("--log-level", default=env.get("TOKENSWIFT_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     port = args.port if args.port is not None else int(env.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)

@@ -7,7 +7,9 @@ run to exactly one), or one chunk at a time (`process_one(time_budget_s=...)`, f
 only inside a request).
 
 What the UI sees (all through storage):
-- worker state: "loading model" → ("compiling") → "ready", or "failed" with the reason; "stopped" at the end. The
+- worker state: "loading model" → ("compiling", with compile=True) → "ready", or "failed" with the reason;
+  "stopped" at the end. With compile=None (auto) on a CPU the worker is "ready" after loading, runs eagerly, and
+  compiles the graphs one at a time while its queue is empty (_compile_step), swapping them in between runs. The
   message says what the worker is doing and ends with the engine's one-time notices ("Note: no trained drafting
   heads for this model: …"), so the header line can show them without a separate channel.
 - run progress: text, token ids and step rows appended every FLUSH_S (0.5 s) in one short transaction, plus the
@@ -156,6 +158,9 @@ class Worker:
         self._started = False
         self._last_sweep = 0.0
         self._last_state_write = 0.0
+        self._compile_later = False  # auto compile on a CPU: build the compiled engine while idle (_compile_step)
+        self._compiled: Engine | None = None
+        self._compile_plan: list[tuple[str, Callable[[], None]]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -204,7 +209,10 @@ class Worker:
                     worked = False
                 if not worked:
                     self._idle()
-                    self._stop.wait(self.poll_s)
+                    if self._compile_later and not self._stop.is_set():
+                        self._compile_step()
+                    else:
+                        self._stop.wait(self.poll_s)
         finally:
             self._set_state("stopped", "Stopped.", force=True)
 
@@ -289,20 +297,53 @@ class Worker:
         from core.engine import Engine
         from core.tokenswift import warn_once
 
-        compile = self.compile
-        if compile is None:  # auto: compiled graphs double a CPU's speed; on a GPU eager mode is the tested path
-            from core.loading import default_device
-
-            compile = (self.device or default_device()).startswith("cpu")
-        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=compile)
-        if compile:
+        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=self.compile is True)
+        if self.compile is True:
             # Compile now, under the "compiling" state, rather than inside the first user's run (compiled graphs
             # that were not warmed up are skipped, so without this compiling would not take effect at all).
             self._set_state("compiling", "Compiling the model's graphs (a few minutes)…")
             engine.warm_up(lambda what: self._set_state("compiling", f"Compiling: {what}…"))
+        elif self.compile is None and engine.device.type == "cpu":
+            self._compile_later = True
         if engine.heads is None:
             warn_once(engine, NO_HEADS_NOTICE)
         return engine
+
+    def _compile_step(self) -> None:
+        """Auto mode on a CPU: one step of building the compiled engine while the queue is empty (loading its copy
+        of the model, then one graph a call, ~1 min each on 2 cores), then swapping it in between runs. Graphs
+        cannot compile beside a run: tracing patches torch's module calls process-wide and broke an eager forward
+        in another thread (and the GIL made that run 7x slower while it lasted). A run queued meanwhile starts
+        when the current step ends and runs eagerly (~1.3x slower a chapter here) until the swap."""
+        from core.engine import Engine
+        from core.tokenswift import warn_once
+
+        with self._busy, _Ticker(self._refresh_state, HEARTBEAT_S, name="compile-heartbeat"):
+            try:
+                if self._compiled is None:
+                    self._set_state("ready", self._message("Idle. Compiling the model's graphs while idle…"))
+                    self._compiled = Engine.load(self.model, heads=self.heads, device=self.device, compile=True)
+                    self._compile_plan = self._compiled.warm_up_plan()
+                    return
+                if self._compile_plan:
+                    what, compile_graph = self._compile_plan.pop(0)
+                    self._set_state("ready", self._message(f"Idle. Compiling {what} while idle…"))
+                    compile_graph()
+                    return
+            except Exception as e:
+                log.exception("worker %s: compiling failed; runs stay eager", self.worker_id)
+                self._compiled, self._compile_plan, self._compile_later = None, [], False
+                assert self.engine is not None
+                self.engine.notices.append(f"the model's graphs did not compile ({describe_load_error(e)}): "
+                                           "runs are decoded eagerly")
+                self._set_state("ready", self._message("Idle."))
+                return
+            engine, self._compiled, self._compile_later = self._compiled, None, False
+            if engine.heads is None:
+                warn_once(engine, NO_HEADS_NOTICE)
+            self.engine = engine  # the eager engine's weights are freed with it
+            log.info("worker %s: compiled graphs ready; runs from now on use them", self.worker_id)
+            self._set_state("ready", self._message("Idle."))
 
     # -- the queue ----------------------------------------------------------------------------------------------
 
@@ -615,7 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafting heads: 'default' (committed heads of a known model), 'none', or a file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the model through compiled fixed-size graphs (default: on for a CPU)")
+                   help="compile the model's graphs before the first run; --no-compile: never (default: on a "
+                        "CPU, compile them while the queue is empty and use them once ready)")
     p.add_argument("--worker-id", default=None, help="stable id: a restarted worker with the same id flags the "
                                                      "runs it was killed with as interrupted (default: host:pid)")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between queue polls when idle")

@@ -132,23 +132,35 @@ class CompiledRunner:
         """Compile the graphs for `sizes` (and the root head's, if `root`) now: minutes, at every start (see
         configure_inductor)."""
         t0 = time.perf_counter()
-        if root and self._root_fn is not None and not self.root_ready:
+        for what, compile_graph in self.plan(sizes, root):
             if progress:
-                progress("the root head")
-            self.root_ready = True
-            device = self.model.device
-            with torch.inference_mode():
-                self.root_logits(torch.zeros(1, self.model.cfg.hidden_size, dtype=self.model.dtype, device=device),
-                                 torch.zeros(1, dtype=torch.long, device=device))
-        for size in sizes or self.sizes:
-            if progress:
-                progress(f"the {size}-token graph")
-            cache = self.model.new_cache(size + 1)
-            self.ready.add(size)
-            with torch.inference_mode():
-                self.forward(torch.zeros(size, dtype=torch.long, device=self.model.device),
-                             torch.arange(size, device=self.model.device), cache)
+                progress(what)
+            compile_graph()
         return time.perf_counter() - t0
+
+    def plan(self, sizes: tuple[int, ...] | None = None, root: bool = False) -> list[tuple[str, Callable[[], None]]]:
+        """The warm-up as separate steps, one graph each (what it compiles, a call that compiles it), so a caller
+        can do other work between them; graphs already compiled are left out."""
+        steps: list[tuple[str, Callable[[], None]]] = []
+        if root and self._root_fn is not None and not self.root_ready:
+            steps.append(("the root head", self._warm_root))
+        steps += [(f"the {size}-token graph", functools.partial(self._warm_graph, size))
+                  for size in sizes or self.sizes if size not in self.ready]
+        return steps
+
+    def _warm_root(self) -> None:
+        self.root_ready = True
+        device = self.model.device
+        with torch.inference_mode():
+            self.root_logits(torch.zeros(1, self.model.cfg.hidden_size, dtype=self.model.dtype, device=device),
+                             torch.zeros(1, dtype=torch.long, device=device))
+
+    def _warm_graph(self, size: int) -> None:
+        cache = self.model.new_cache(size + 1)
+        self.ready.add(size)
+        with torch.inference_mode():
+            self.forward(torch.zeros(size, dtype=torch.long, device=self.model.device),
+                         torch.arange(size, device=self.model.device), cache)
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
                 block_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:

@@ -102,8 +102,15 @@ class Engine:
         """Compile the graphs this engine's decoding uses (one token, one tree, the root head); seconds spent."""
         if self.runner is None:
             return 0.0
-        sizes = {1, self.runner.bucket(self.options.tree_budget)}
-        return self.runner.warm_up(tuple(sorted(s for s in sizes if s)), progress, root=True)
+        return self.runner.warm_up(self._graph_sizes(), progress, root=True)
+
+    def warm_up_plan(self) -> list[tuple[str, Callable[[], None]]]:
+        """`warm_up` as separate steps, one graph each (CompiledRunner.plan); empty for an eager engine."""
+        return [] if self.runner is None else self.runner.plan(self._graph_sizes(), root=True)
+
+    def _graph_sizes(self) -> tuple[int, ...]:
+        assert self.runner is not None
+        return tuple(sorted({1, self.runner.bucket(self.options.tree_budget) or 1}))
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
                 block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:

@@ -431,6 +431,73 @@ def test_compile_reports_its_own_state(db, tiny_engine, monkeypatch):
     assert states[2][1] == "Compiling: the 1-token graph…"
 
 
+@pytest.fixture
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tiny_engine
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_auto_compile_starts_eagerly_and_swaps_in_graphs_built_while_idle(db, book, tiny_model_dir, one_thread,
+                                                                         monkeypatch):
+    """compile=None on a CPU: the first run starts right after loading, eagerly; the graphs compile one at a time
+    while the queue is empty (the worker stays "ready" and says so); runs after the swap use them."""
+    seen = []  # (state, message, whether the worker's engine is compiled): read when the state is written
+    real = st.set_worker_state
+
+    def spy(db, wid, state, message="", **kw):
+        seen.append((state, message, w.engine is not None and w.engine.runner is not None))
+        return real(db, wid, state, message, **kw)
+
+    monkeypatch.setattr(st, "set_worker_state", spy)
+    model = str(tiny_model_dir)
+    settings = {"max_new_tokens": 12, "method": "tokenswift", "seed": 3, "ignore_eos": True}
+    first = queue_chapter_run(db, book[1].id, "generate", settings, model=model)
+    w = Worker(db, model=model, heads=None, device="cpu", compile=None, worker_id="auto", poll_s=0.05).start()
+    try:
+        wait_for(lambda: w.engine is not None and w.engine.runner is not None, timeout=600, what="the swap")
+        second = queue_chapter_run(db, book[1].id, "regenerate", settings, model=model)
+        wait_for(lambda: st.get_run(db, second.id).status == "done", timeout=120, what="the second run")
+    finally:
+        assert w.stop(timeout=120)
+    assert st.get_run(db, first.id).status == "done" and st.get_run(db, second.id).n_tokens == 12
+    messages = [m.split(" Note: ")[0] for _, m, _ in seen]
+    generating = {r.id: next(i for i, m in enumerate(messages) if m.startswith(f"Generating run {r.id}"))
+                  for r in (first, second)}
+    compiling = [i for i, m in enumerate(messages) if "while idle" in m]
+    assert all(seen[i][0] == "ready" for i in compiling)  # the worker takes runs all along
+    assert generating[first.id] < compiling[0] and not seen[generating[first.id]][2]  # at once, eagerly
+    assert [messages[i] for i in compiling] == ["Idle. Compiling the model's graphs while idle…",
+                                                "Idle. Compiling the 1-token graph while idle…",
+                                                "Idle. Compiling the 2-token graph while idle…"]
+    assert compiling[-1] < generating[second.id] and seen[generating[second.id]][2]  # compiled
+    assert w.engine.runner.ready == {1, 2}
+    assert st.get_worker_states(db)[0].message.startswith("Stopped.")
+
+
+def test_a_failed_background_compile_leaves_the_worker_eager_and_says_why(db, book, tiny_model_dir, one_thread,
+                                                                        tmp_path):
+    import shutil
+
+    model = str(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    w = Worker(db, model=model, heads=None, device="cpu", compile=None, worker_id="x", poll_s=0.05)
+    eager = w.ensure_engine()
+    assert eager.runner is None
+    shutil.rmtree(model)  # the compiled engine's copy of the model cannot load
+    run = queue_chapter_run(db, book[1].id, "generate", {"max_new_tokens": 8, "ignore_eos": True}, model=model)
+    w.start()
+    try:
+        wait_for(lambda: st.get_run(db, run.id).status == "done", timeout=120, what="the run")
+        wait_for(lambda: "did not compile" in st.get_worker_states(db)[0].message, what="the notice")
+    finally:
+        assert w.stop(timeout=60)
+    assert w.engine is eager and eager.runner is None
+    assert eager.notices[-1].startswith("the model's graphs did not compile (") and "eagerly" in eager.notices[-1]
+
+
 def test_importing_the_worker_is_light():
     import subprocess
     import sys
