@@ -321,13 +321,13 @@ class Worker:
         with self._busy, _Ticker(self._refresh_state, HEARTBEAT_S, name="compile-heartbeat"):
             try:
                 if self._compiled is None:
-                    self._set_state("ready", self._message("Idle. Compiling the model's graphs while idle…"))
+                    self._set_state("ready", self._message("Idle. Preparing compiled graphs for faster runs…"))
                     self._compiled = Engine.load(self.model, heads=self.heads, device=self.device, compile=True)
                     self._compile_plan = self._compiled.warm_up_plan()
                     return
                 if self._compile_plan:
                     what, compile_graph = self._compile_plan.pop(0)
-                    self._set_state("ready", self._message(f"Idle. Compiling {what} while idle…"))
+                    self._set_state("ready", self._message(f"Idle. Compiling {what} for faster runs…"))
                     compile_graph()
                     return
             except Exception as e:

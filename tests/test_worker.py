@@ -467,12 +467,12 @@ def test_auto_compile_starts_eagerly_and_swaps_in_graphs_built_while_idle(db, bo
     messages = [m.split(" Note: ")[0] for _, m, _ in seen]
     generating = {r.id: next(i for i, m in enumerate(messages) if m.startswith(f"Generating run {r.id}"))
                   for r in (first, second)}
-    compiling = [i for i, m in enumerate(messages) if "while idle" in m]
+    compiling = [i for i, m in enumerate(messages) if "for faster runs" in m]
     assert all(seen[i][0] == "ready" for i in compiling)  # the worker takes runs all along
     assert generating[first.id] < compiling[0] and not seen[generating[first.id]][2]  # at once, eagerly
-    assert [messages[i] for i in compiling] == ["Idle. Compiling the model's graphs while idle…",
-                                                "Idle. Compiling the 1-token graph while idle…",
-                                                "Idle. Compiling the 2-token graph while idle…"]
+    assert [messages[i] for i in compiling] == ["Idle. Preparing compiled graphs for faster runs…",
+                                                "Idle. Compiling the 1-token graph for faster runs…",
+                                                "Idle. Compiling the 2-token graph for faster runs…"]
     assert compiling[-1] < generating[second.id] and seen[generating[second.id]][2]  # compiled
     assert w.engine.runner.ready == {1, 2}
     assert st.get_worker_states(db)[0].message.startswith("Stopped.")
