@@ -322,6 +322,7 @@ class Worker:
             try:
                 if self._compiled is None:
                     self._set_state("ready", self._message("Idle. Preparing compiled graphs for faster runs…"))
+                    check_room_to_compile(self.engine)
                     self._compiled = Engine.load(self.model, heads=self.heads, device=self.device, compile=True)
                     self._compile_plan = self._compiled.warm_up_plan()
                     return
@@ -559,6 +560,22 @@ def _release_memory(e: BaseException) -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def check_room_to_compile(engine: Engine | None) -> None:
+    """Raise MemoryError unless a compiled engine fits beside `engine`: its plain weights plus inductor's prepacked
+    copy of them (frozen constants), about twice the model. Running out would kill the process, not raise."""
+    import itertools
+
+    import psutil
+
+    assert engine is not None
+    model = engine.model
+    size = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    need, free = 2.5 * size, psutil.virtual_memory().available  # 2x, plus room for the graphs' work buffers
+    if free < need:
+        raise MemoryError(f"compiling needs ~{need / 2**30:.1f} GiB free beside the loaded model, "
+                          f"{free / 2**30:.1f} GiB are")
 
 
 def describe_load_error(e: BaseException) -> str:
