@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,8 @@ from app.prompting import build_chapter_prompt, prompt_budget
 from core.metrics import REPETITION_WINDOW, RepetitionTracker
 
 if TYPE_CHECKING:
+    import torch
+
     from core.decoding import GenerationConfig
     from core.engine import Engine
 
@@ -158,9 +160,7 @@ class Worker:
         self._started = False
         self._last_sweep = 0.0
         self._last_state_write = 0.0
-        self._compile_later = False  # auto compile on a CPU: build the compiled engine while idle (_compile_step)
-        self._compiled: Engine | None = None
-        self._compile_plan: list[tuple[str, Callable[[], None]]] = []
+        self._compiling: Iterator[None] | None = None  # auto on a CPU: the idle compile's steps (_compile_steps)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ class Worker:
                     worked = False
                 if not worked:
                     self._idle()
-                    if self._compile_later and not self._stop.is_set():
+                    if self._compiling is not None and not self._stop.is_set():
                         self._compile_step()
                     else:
                         self._stop.wait(self.poll_s)
@@ -304,47 +304,49 @@ class Worker:
             self._set_state("compiling", "Compiling the model's graphs (a few minutes)…")
             engine.warm_up(lambda what: self._set_state("compiling", f"Compiling: {what}…"))
         elif self.compile is None and engine.device.type == "cpu":
-            self._compile_later = True
+            self._compiling = self._compile_steps()
         if engine.heads is None:
             warn_once(engine, NO_HEADS_NOTICE)
         return engine
 
     def _compile_step(self) -> None:
-        """Auto mode on a CPU: one step of building the compiled engine while the queue is empty (loading its copy
-        of the model, then one graph a call, ~1 min each on 2 cores), then swapping it in between runs. Graphs
-        cannot compile beside a run: tracing patches torch's module calls process-wide and broke an eager forward
-        in another thread (and the GIL made that run 7x slower while it lasted). A run queued meanwhile starts
-        when the current step ends and runs eagerly (~1.3x slower a chapter here) until the swap."""
-        from core.engine import Engine
-        from core.tokenswift import warn_once
-
+        """Auto mode on a CPU: one step of building the compiled engine while the queue is empty (_compile_steps).
+        Graphs cannot compile beside a run: tracing patches torch's module calls process-wide and broke an eager
+        forward in another thread (and the GIL made that run 7x slower while it lasted). A run queued meanwhile
+        starts when the current step ends and runs eagerly (~1.3x slower a chapter here) until the swap."""
+        assert self._compiling is not None and self.engine is not None
         with self._busy, _Ticker(self._refresh_state, HEARTBEAT_S, name="compile-heartbeat"):
             try:
-                if self._compiled is None:
-                    self._set_state("ready", self._message("Idle. Preparing compiled graphs for faster runs…"))
-                    check_room_to_compile(self.engine)
-                    self._compiled = Engine.load(self.model, heads=self.heads, device=self.device, compile=True)
-                    self._compile_plan = self._compiled.warm_up_plan()
-                    return
-                if self._compile_plan:
-                    what, compile_graph = self._compile_plan.pop(0)
-                    self._set_state("ready", self._message(f"Idle. Compiling {what} for faster runs…"))
-                    compile_graph()
-                    return
+                next(self._compiling)
+            except StopIteration:
+                self._compiling = None
             except Exception as e:
                 log.exception("worker %s: compiling failed; runs stay eager", self.worker_id)
-                self._compiled, self._compile_plan, self._compile_later = None, [], False
-                assert self.engine is not None
+                self._compiling = None
                 self.engine.notices.append(f"the model's graphs did not compile ({describe_load_error(e)}): "
                                            "runs are decoded eagerly")
                 self._set_state("ready", self._message("Idle."))
-                return
-            engine, self._compiled, self._compile_later = self._compiled, None, False
-            if engine.heads is None:
-                warn_once(engine, NO_HEADS_NOTICE)
-            self.engine = engine  # the eager engine's weights are freed with it
-            log.info("worker %s: compiled graphs ready; runs from now on use them", self.worker_id)
-            self._set_state("ready", self._message("Idle."))
+
+    def _compile_steps(self) -> Iterator[None]:
+        """Load a second copy of the model for compiling, then compile one graph a step (~1 min each on 2 cores),
+        then swap the compiled engine in; the loop runs queued runs between steps."""
+        from core.engine import Engine
+        from core.tokenswift import warn_once
+
+        assert self.engine is not None
+        self._set_state("ready", self._message("Idle. Preparing compiled graphs for faster runs…"))
+        check_room_to_compile(self.engine.model)
+        compiled = Engine.load(self.model, heads=self.heads, device=self.device, compile=True)
+        yield
+        for what, compile_graph in compiled.warm_up_plan():
+            self._set_state("ready", self._message(f"Idle. Compiling {what} for faster runs…"))
+            compile_graph()
+            yield
+        if compiled.heads is None:
+            warn_once(compiled, NO_HEADS_NOTICE)
+        self.engine = compiled  # the eager engine's weights are freed with it
+        log.info("worker %s: compiled graphs ready; runs from now on use them", self.worker_id)
+        self._set_state("ready", self._message("Idle."))
 
     # -- the queue ----------------------------------------------------------------------------------------------
 
@@ -562,15 +564,13 @@ def _release_memory(e: BaseException) -> None:
             torch.cuda.empty_cache()
 
 
-def check_room_to_compile(engine: Engine | None) -> None:
-    """Raise MemoryError unless a compiled engine fits beside `engine`: its plain weights plus inductor's prepacked
+def check_room_to_compile(model: torch.nn.Module) -> None:
+    """Raise MemoryError unless a compiled engine fits beside `model`: its plain weights plus inductor's prepacked
     copy of them (frozen constants), about twice the model. Running out would kill the process, not raise."""
     import itertools
 
     import psutil
 
-    assert engine is not None
-    model = engine.model
     size = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     need, free = 2.5 * size, psutil.virtual_memory().available  # 2x, plus room for the graphs' work buffers
     if free < need:
