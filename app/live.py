@@ -5,10 +5,16 @@ The page polls about once a second. Each session keeps a ``LiveCache`` (in ``gr.
 idle page sends almost nothing, and a long run is read incrementally: step rows with ``after_step`` into bounded
 ``StepBuckets``, the chapter text only when its row changed. Everything shown comes from the database, so a reload,
 a second tab or a server restart shows the same text and progress.
+
+A changed part is sent again on every poll for ``RESEND_S`` seconds after its change. Polls are computed one at a
+time per session, but a timer tick and an action's follow-up refresh run side by side and their responses may reach
+the page in either order: an older response arriving last would otherwise stay on the page for good (e.g. "running"
+after Stop), because the cache believes the newer part is shown. The next tick's resend repairs it.
 """
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +27,7 @@ from app.charts import StepBuckets, all_figures
 # While a run writes, the textbox shows at most this much of the chapter's end: resending and re-laying out a
 # 400 KB textarea every second would make the page sluggish. The whole text is shown (and editable) once it stops.
 LIVE_TAIL_CHARS = 50_000
+RESEND_S = 2.0  # polls run about once a second: a change is sent on one or two later ticks too
 
 
 @dataclass
@@ -37,27 +44,35 @@ class View:
 class LiveCache:
     """What one session's page currently shows, to send only changes. Owned by the poll handlers."""
 
-    worker_key: str | None = None
-    chapters_key: tuple | None = None
-    chapter_id: int | None = None
-    text_key: tuple | None = None
+    keys: dict[str, Any] = field(default_factory=dict)  # part -> key of what was last sent for it
+    resend_until: dict[str, float] = field(default_factory=dict)  # part -> time.monotonic() to resend it until
+    chapter_id: int | None = None  # the chapter whose text the textbox holds
     text_full: bool = False  # the textbox holds the whole chapter (not a live tail)
+    text_editable: bool = False
     run_id: int | None = None
     buckets: StepBuckets | None = None
-    charts_key: tuple | None = None
-    status_key: str | None = None
-    counts_key: tuple | None = None
-    controls_key: tuple | None = None
     # Compare
     compare_id: int | None = None
     compare_runs: dict[str, StepBuckets] = field(default_factory=dict)
-    compare_keys: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __deepcopy__(self, memo: dict) -> "LiveCache":
         # gr.State deep-copies its initial value per session; a lock cannot be copied, and the initial cache is
         # always empty anyway.
         return LiveCache()
+
+    def due(self, part: str, key: Any, now: float, resend: bool = True) -> bool:
+        """Whether `part`, whose content is now described by `key`, is to be sent: it changed since the last poll, or
+        (with `resend` when it changed) it changed less than RESEND_S ago."""
+        if part not in self.keys or self.keys[part] != key:
+            self.keys[part] = key
+            self.resend_until[part] = now + RESEND_S if resend else now
+            return True
+        return now < self.resend_until[part]
+
+    def forget(self, *parts: str) -> None:
+        for part in parts:
+            self.keys.pop(part, None)
 
 
 @dataclass
@@ -88,65 +103,56 @@ def _refresh_buckets(db: storage.Database, cache_buckets: StepBuckets | None, ru
     return buckets, added
 
 
-def poll_write(db: storage.Database, view: View, cache: LiveCache, *, zerogpu: bool = False) -> WriteUpdate:
-    """Read the open chapter's state and return what changed since ``cache`` (which is updated)."""
+def poll_write(db: storage.Database, view: View, cache: LiveCache, *, zerogpu: bool = False,
+               now: float | None = None) -> WriteUpdate:
+    """Read the open chapter's state and return what is to be sent since ``cache`` (which is updated); ``now`` is a
+    time.monotonic() reading (default: the current one)."""
     with cache.lock:  # a timer tick and an action's follow-up refresh may overlap for one session
-        return _poll_write(db, view, cache, zerogpu)
+        return _poll_write(db, view, cache, zerogpu, time.monotonic() if now is None else now)
 
 
-def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: bool) -> WriteUpdate:
+def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: bool, now: float) -> WriteUpdate:
     up = WriteUpdate()
     header, ready = worker_html(db, zerogpu)
-    if header != cache.worker_key:
-        up.worker_html = cache.worker_key = header
+    if cache.due("worker", header, now):
+        up.worker_html = header
 
     chapters = storage.list_chapters(db, view.project_id) if view.project_id is not None else []
     chapter = next((c for c in chapters if c.id == view.chapter_id), None)
-    ckey = tuple((c.id, c.title, c.status) for c in chapters) + (view.chapter_id,)
-    if ckey != cache.chapters_key:
-        cache.chapters_key = ckey
+    if cache.due("chapters", tuple((c.id, c.title, c.status) for c in chapters) + (view.chapter_id,), now):
         up.chapters = ([(views.chapter_label(i, c), c.id) for i, c in enumerate(chapters)],
                        chapter.id if chapter else None)
 
-    if chapter is None:
-        run = None
-    else:
-        run = storage.latest_run_for_chapter(db, chapter.id)
+    run = storage.latest_run_for_chapter(db, chapter.id) if chapter is not None else None
     active = run is not None and run.status in views.ACTIVE
 
-    # -- text (only when the chapter row changed) --
+    # -- text and counts (read only when the chapter row changed, or to resend them) --
     if chapter is None:
-        tkey: tuple = (None, view.project_id, view.chapter_id)
-        if tkey != cache.text_key:
-            cache.text_key, cache.text_full, cache.chapter_id = tkey, False, None
+        if cache.due("text", (None, view.project_id, view.chapter_id), now):
             message = "" if view.project_id is None else "This chapter no longer exists; pick another one."
             up.text = ("" if view.chapter_id is None else message, False)
             up.counts_html = views.counts_line(0, None, None)
-            cache.counts_key = None
+            cache.text_full, cache.text_editable, cache.chapter_id = False, False, None
     else:
-        tkey = (chapter.id, chapter.updated_at, chapter.word_count, chapter.status, active)
-        if tkey != cache.text_key or cache.chapter_id != chapter.id:
+        # Resending an editable text could overwrite what the writer types: not done when the same chapter was
+        # already editable (a save), only where an older response may have left other or read-only text.
+        keeps_editing = not active and cache.text_editable and cache.chapter_id == chapter.id
+        if cache.due("text", (chapter.id, chapter.updated_at, chapter.word_count, chapter.status, active), now,
+                     resend=not keeps_editing):
             text = storage.get_chapter(db, chapter.id).text
             tail = active and len(text) > LIVE_TAIL_CHARS
-            shown = "…" + text[-LIVE_TAIL_CHARS:] if tail else text
-            up.text = (shown, not active)
-            cache.text_key, cache.text_full, cache.chapter_id = tkey, not tail, chapter.id
-            counts = (chapter.word_count, len(text), run.n_tokens if run else None, tail)
-            if counts != cache.counts_key:
-                cache.counts_key = counts
-                up.counts_html = views.counts_line(chapter.word_count, len(text), run.n_tokens if run else None,
-                                                   LIVE_TAIL_CHARS if tail else None)
+            up.text = ("…" + text[-LIVE_TAIL_CHARS:] if tail else text, not active)
+            up.counts_html = views.counts_line(chapter.word_count, len(text), run.n_tokens if run else None,
+                                               LIVE_TAIL_CHARS if tail else None)
+            cache.text_full, cache.text_editable, cache.chapter_id = not tail, not active, chapter.id
 
     # -- charts (incremental) --
     run_id = run.id if run else None
     if run_id != cache.run_id:
-        cache.run_id, cache.buckets, cache.charts_key = run_id, None, None
-    added = 0
+        cache.run_id, cache.buckets = run_id, None
     if run is not None:
-        cache.buckets, added = _refresh_buckets(db, cache.buckets, run.id)
-    chart_key = (run_id, run.status if run else None, cache.buckets.n_steps if cache.buckets else 0)
-    if chart_key != cache.charts_key:
-        cache.charts_key = chart_key
+        cache.buckets, _ = _refresh_buckets(db, cache.buckets, run.id)
+    if cache.due("charts", (run_id, run.status if run else None, cache.buckets.n_steps if cache.buckets else 0), now):
         empty = ("No run yet" if run is None else
                  "Queued: waiting for the worker" if run.status == "queued" else "No steps recorded")
         up.figures = all_figures(cache.buckets, empty=empty)
@@ -158,20 +164,21 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
                               tokens_per_s=(run.tokens_per_s or (b.last_tokens_per_s if b else None)) if run else None,
                               tokens_per_step=b.mean_tokens_per_step if b and b.n_steps else None,
                               worker_ready=ready)
-    if status != cache.status_key:
-        up.status_html = cache.status_key = status
+    if cache.due("status", status, now):
+        up.status_html = status
 
     # -- buttons --
     controls = {"can_write": chapter is not None and not active, "active": active,
                 "resumable": run is not None and run.status in jobs.RESUMABLE and run.n_tokens > 0, "run_id": run_id}
-    ctl_key = tuple(controls.items())
-    if ctl_key != cache.controls_key:
-        cache.controls_key = ctl_key
+    if cache.due("controls", tuple(controls.items()), now):
         up.controls = controls
     return up
 
 
 # -- Compare --------------------------------------------------------------------------------------------------------
+
+COMPARE_PARTS = ("cmp-summary", "cmp-listing", "cmp-figures", "ar_line", "ts_line", "ar_text", "ts_text")
+
 
 @dataclass
 class CompareUpdate:
@@ -185,20 +192,20 @@ class CompareUpdate:
     listing_changed: bool = False  # a run's status or the verdict changed: the past-comparisons table is stale
 
 
-def poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache) -> CompareUpdate:
-    """Read a comparison's two runs and return what changed since ``cache``."""
+def poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache, *,
+                 now: float | None = None) -> CompareUpdate:
+    """Read a comparison's two runs and return what is to be sent since ``cache`` (which is updated)."""
     with cache.lock:
-        return _poll_compare(db, compare_id, cache)
+        return _poll_compare(db, compare_id, cache, time.monotonic() if now is None else now)
 
 
-def _poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache) -> CompareUpdate:
+def _poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache, now: float) -> CompareUpdate:
     up = CompareUpdate()
-    if compare_id != cache.compare_id:
-        cache.compare_id, cache.compare_runs, cache.compare_keys = compare_id, {}, {}
-    keys = cache.compare_keys
+    if compare_id != cache.compare_id:  # another comparison: everything is sent afresh
+        cache.compare_id, cache.compare_runs = compare_id, {}
+        cache.forget(*COMPARE_PARTS)
     if compare_id is None:
-        if keys.get("summary") != "none":
-            keys["summary"] = "none"
+        if cache.due("cmp-summary", None, now):
             up.summary_html = views.compare_summary(None, None, None)
             up.ar_line = up.ts_line = ""
             up.ar_text = up.ts_text = ""
@@ -220,10 +227,9 @@ def _poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache
             runs[label] = None
     ar, ts = runs["Vanilla"], runs["TokenSwift"]
     up.active = any(r is not None and r.status in views.ACTIVE for r in runs.values())
-    lkey = (tuple(r.status if r else None for r in runs.values()), comparison.tokens_match if comparison else None)
-    if lkey != keys.get("listing"):
-        up.listing_changed = "listing" in keys  # not on first sight: the table was filled when the page loaded
-        keys["listing"] = lkey
+    first_sight = "cmp-listing" not in cache.keys  # the past-comparisons table was filled when the page loaded
+    listing = (tuple(r.status if r else None for r in runs.values()), comparison.tokens_match if comparison else None)
+    up.listing_changed = cache.due("cmp-listing", listing, now) and not first_sight
 
     n_steps = []
     for label, run in runs.items():
@@ -232,25 +238,20 @@ def _poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache
         buckets, _ = _refresh_buckets(db, cache.compare_runs.get(label), run.id)
         cache.compare_runs[label] = buckets
         n_steps.append((label, run.status, buckets.n_steps))
-    fkey = tuple(n_steps)
-    if fkey != keys.get("figures"):
-        keys["figures"] = fkey
+    if cache.due("cmp-figures", tuple(n_steps), now):
         up.figures = all_figures({k: v for k, v in cache.compare_runs.items()}, empty="Waiting for the first steps")
 
     per_step = {k: (b.mean_tokens_per_step if b.n_steps else None) for k, b in cache.compare_runs.items()}
     summary = views.compare_summary(comparison, ar, ts, per_step.get("Vanilla"), per_step.get("TokenSwift"))
-    if summary != keys.get("summary"):
-        keys["summary"] = up.summary_html = summary
+    if cache.due("cmp-summary", summary, now):
+        up.summary_html = summary
     for label, run, line_attr, text_attr in (("Vanilla", ar, "ar_line", "ar_text"),
                                              ("TokenSwift", ts, "ts_line", "ts_text")):
         position = storage.queue_position(db, run.id) if run is not None and run.status == "queued" else None
         line = views.compare_run_line(f"{label} decoding" if label == "Vanilla" else label, run, position)
-        if line != keys.get(line_attr):
-            keys[line_attr] = line
+        if cache.due(line_attr, line, now):
             setattr(up, line_attr, line)
-        tkey = (run.id, len(run.text), run.status) if run is not None else None
-        if tkey != keys.get(text_attr):
-            keys[text_attr] = tkey
+        if cache.due(text_attr, (run.id, len(run.text), run.status) if run is not None else None, now):
             setattr(up, text_attr, run.text if run is not None else "")
     return up
 

@@ -2,6 +2,7 @@
 the way app/worker.py does, and the tests check what each session's page would be sent."""
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta
 
 import gradio as gr
@@ -113,8 +114,8 @@ def test_create_generate_and_watch_progress(h, db):
     assert up.figures is not None and len(up.figures[0].data[0].x) == 10
     assert 'num">4</span> words' in up.counts_html
 
-    # Nothing changed: nothing is sent.
-    assert live.poll_write(db, view, cache) == live.WriteUpdate()
+    # Nothing changed: nothing is sent (once the changes are older than the resend window).
+    assert live.poll_write(db, view, cache, now=time.monotonic() + live.RESEND_S) == live.WriteUpdate()
 
     worker.write(run.id, ", there was a keeper.", 10, 5)
     up = live.poll_write(db, view, cache)
@@ -125,6 +126,53 @@ def test_create_generate_and_watch_progress(h, db):
     up = live.poll_write(db, view, cache)
     assert up.text == ("Once upon a time, there was a keeper.", True)  # editable again
     assert "done" in up.status_html and up.controls["can_write"]
+
+
+def show(page: dict, up: live.WriteUpdate) -> None:
+    """Apply a poll's update to a page modelled as {part: what it shows}, as the browser does."""
+    page.update({k: v for k, v in vars(up).items() if v is not None})
+
+
+def test_a_late_response_cannot_leave_a_stale_part_on_the_page(h, db):
+    """A timer tick computed before Stop can reach the page after the follow-up refresh that showed the run
+    cancelled (two events, one session, side by side). The next tick sends the changed parts again, so the page
+    ends showing the truth, and once nothing changes nothing is sent."""
+    view, cache, page = View(), LiveCache(), {}
+    new_project(h, view)
+    generate(h, view)
+    worker = FakeWorker(db)
+    run = worker.claim()
+    worker.write(run.id, "Once upon a time", 0, 10)
+    show(page, live.poll_write(db, view, cache, now=0.0))
+    worker.write(run.id, ", there was", 10, 5)
+    tick = live.poll_write(db, view, cache, now=10.0)  # computed while running; its response is late
+    h.stop(view)
+    storage.finish_run(db, run.id, "cancelled")
+    show(page, live.poll_write(db, view, cache, now=10.1))  # Stop's follow-up refresh arrives first
+    show(page, tick)
+    assert "running" in page["status_html"] and page["text"] == ("Once upon a time, there was", False)
+
+    show(page, live.poll_write(db, view, cache, now=11.0))  # the next tick
+    assert "cancelled" in page["status_html"] and "running" not in page["status_html"]
+    assert page["text"] == ("Once upon a time, there was", True) and page["controls"]["can_write"]
+    assert live.poll_write(db, view, cache, now=11.0 + live.RESEND_S) == live.WriteUpdate()
+
+
+def test_a_saved_text_is_not_resent_over_the_writers_typing(h, db):
+    """The resend window never sends an editable chapter again after a save: the writer may be typing in it. It
+    does after switching chapters, where an older response could have left the other chapter's text."""
+    view, cache = View(), LiveCache()
+    project_id = new_project(h, view)
+    first = view.chapter_id
+    assert live.poll_write(db, view, cache, now=0.0).text == ("", True)
+    h.save_chapter(view, cache, project_id, first, None, None, None, "Hand-written text.")
+    assert live.poll_write(db, view, cache, now=100.0).text == ("Hand-written text.", True)
+    assert live.poll_write(db, view, cache, now=100.5).text is None
+
+    h.add_chapter(view)
+    assert live.poll_write(db, view, cache, now=200.0).text == ("", True)
+    assert live.poll_write(db, view, cache, now=200.5).text == ("", True)  # resent: another chapter
+    assert live.poll_write(db, view, cache, now=200.0 + live.RESEND_S).text is None
 
 
 def test_stop_queued_and_running(h, db):
@@ -308,7 +356,8 @@ def test_a_killed_worker_shows_as_not_responding(h, db):
     assert "tiny-llama" in up.worker_html and "Worker ready" not in up.worker_html
     assert "badge-failed" in up.worker_html
     assert "waiting for the worker" in up.status_html
-    assert live.poll_write(db, view, cache).worker_html is None  # the same minute: nothing resent
+    later = time.monotonic() + live.RESEND_S
+    assert live.poll_write(db, view, cache, now=later).worker_html is None  # the same minute: nothing resent
 
     # Another worker that is alive: it is the one shown; the dead one's row is ignored.
     storage.set_worker_state(db, "alive", "ready", "Idle.", model="tiny")
