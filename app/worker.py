@@ -293,11 +293,17 @@ class Worker:
             self._set_state("ready", self._message("Idle."))
             return engine
 
-    def _load(self) -> Engine:
+    def _new_engine(self, compile: bool) -> Engine:
         from core.engine import Engine
         from core.tokenswift import warn_once
 
-        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=self.compile is True)
+        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=compile)
+        if engine.heads is None:
+            warn_once(engine, NO_HEADS_NOTICE)
+        return engine
+
+    def _load(self) -> Engine:
+        engine = self._new_engine(compile=self.compile is True)
         if self.compile is True:
             # Compile now, under the "compiling" state, rather than inside the first user's run (compiled graphs
             # that were not warmed up are skipped, so without this compiling would not take effect at all).
@@ -305,8 +311,6 @@ class Worker:
             engine.warm_up(lambda what: self._set_state("compiling", f"Compiling: {what}…"))
         elif self.compile is None and engine.device.type == "cpu":
             self._compiling = self._compile_steps()
-        if engine.heads is None:
-            warn_once(engine, NO_HEADS_NOTICE)
         return engine
 
     def _compile_step(self) -> None:
@@ -330,20 +334,15 @@ class Worker:
     def _compile_steps(self) -> Iterator[None]:
         """Load a second copy of the model for compiling, then compile one graph a step (~1 min each on 2 cores),
         then swap the compiled engine in; the loop runs queued runs between steps."""
-        from core.engine import Engine
-        from core.tokenswift import warn_once
-
         assert self.engine is not None
         self._set_state("ready", self._message("Idle. Preparing compiled graphs for faster runs…"))
         check_room_to_compile(self.engine.model)
-        compiled = Engine.load(self.model, heads=self.heads, device=self.device, compile=True)
+        compiled = self._new_engine(compile=True)
         yield
         for what, compile_graph in compiled.warm_up_plan():
             self._set_state("ready", self._message(f"Idle. Compiling {what} for faster runs…"))
             compile_graph()
             yield
-        if compiled.heads is None:
-            warn_once(compiled, NO_HEADS_NOTICE)
         self.engine = compiled  # the eager engine's weights are freed with it
         log.info("worker %s: compiled graphs ready; runs from now on use them", self.worker_id)
         self._set_state("ready", self._message("Idle."))

@@ -63,6 +63,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module's engines: with two, torch's threads fight any other process on a small
+    machine and run ~20x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smol_engine():
     """The real default model (SmolLM2-135M-Instruct, fp32, CPU) with no heads; shared by the whole session."""

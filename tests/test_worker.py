@@ -19,16 +19,10 @@ from storage.models import utcnow
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    import torch
-
+def tiny_engine(tiny_model_dir, one_thread):
     from core.engine import Engine
 
-    # One thread: with two, torch's threads fight any other process on a small machine and run ~20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine.load(str(tiny_model_dir), heads=None, device="cpu")
-    torch.set_num_threads(threads)
+    return Engine.load(str(tiny_model_dir), heads=None, device="cpu")
 
 
 @pytest.fixture
@@ -429,16 +423,6 @@ def test_compile_reports_its_own_state(db, tiny_engine, monkeypatch):
     assert w.ensure_engine() is tiny_engine and seen["compile"] is True
     assert [s for s, _ in states] == ["loading model", "compiling", "compiling", "ready"]
     assert states[2][1] == "Compiling: the 1-token graph…"
-
-
-@pytest.fixture
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tiny_engine
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_auto_compile_starts_eagerly_and_swaps_in_graphs_built_while_idle(db, book, tiny_model_dir, one_thread,

@@ -20,15 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    import torch
-
+def tiny_engine(tiny_model_dir, one_thread):
     from core.engine import Engine
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_worker.py
-    yield Engine.load(str(tiny_model_dir), heads=None, device="cpu")
-    torch.set_num_threads(threads)
+    return Engine.load(str(tiny_model_dir), heads=None, device="cpu")
 
 
 def start_worker(db_path: Path, model: str, worker_id: str, log: Path) -> subprocess.Popen:
