@@ -97,10 +97,11 @@ def worker_html(db: storage.Database, zerogpu: bool = False) -> tuple[str, bool]
     return views.worker_badge(states, zerogpu, now=now), zerogpu or ready
 
 
-def _refresh_buckets(db: storage.Database, cache_buckets: StepBuckets | None, run_id: int) -> tuple[StepBuckets, int]:
+def _refresh_buckets(db: storage.Database, cache_buckets: StepBuckets | None, run_id: int) -> StepBuckets:
+    """`cache_buckets` (or new ones) with the run's step rows recorded since their last step added."""
     buckets = cache_buckets or StepBuckets()
-    added = buckets.extend(storage.get_steps(db, run_id, after_step=buckets.last_step))
-    return buckets, added
+    buckets.extend(storage.get_steps(db, run_id, after_step=buckets.last_step))
+    return buckets
 
 
 def poll_write(db: storage.Database, view: View, cache: LiveCache, *, zerogpu: bool = False,
@@ -151,7 +152,7 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
     if run_id != cache.run_id:
         cache.run_id, cache.buckets = run_id, None
     if run is not None:
-        cache.buckets, _ = _refresh_buckets(db, cache.buckets, run.id)
+        cache.buckets = _refresh_buckets(db, cache.buckets, run.id)
     if cache.due("charts", (run_id, run.status if run else None, cache.buckets.n_steps if cache.buckets else 0), now):
         empty = ("No run yet" if run is None else
                  "Queued: waiting for the worker" if run.status == "queued" else "No steps recorded")
@@ -235,8 +236,7 @@ def _poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache
     for label, run in runs.items():
         if run is None:
             continue
-        buckets, _ = _refresh_buckets(db, cache.compare_runs.get(label), run.id)
-        cache.compare_runs[label] = buckets
+        buckets = cache.compare_runs[label] = _refresh_buckets(db, cache.compare_runs.get(label), run.id)
         n_steps.append((label, run.status, buckets.n_steps))
     if cache.due("cmp-figures", tuple(n_steps), now):
         up.figures = all_figures({k: v for k, v in cache.compare_runs.items()}, empty="Waiting for the first steps")
