@@ -4,24 +4,21 @@ The tiny checkpoints are real Hugging Face folders (config, safetensors, the def
 temporary directory, so anything that takes a model spec — the CLI, the worker in another process — can load them
 in a second, and the text they write is real (if meaningless) tokens.
 
-`studio_server` runs `app.py` in a subprocess on a temporary database, for the API and browser tests.
+`studio_server` runs `app.py` (app/studio_process.py) in a subprocess on the tiny model and a temporary
+database, for the API and browser tests.
 """
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+from app.studio_process import StudioServer, free_port
+from app.studio_process import studio_server as app_server
 
 os.environ.setdefault("TOKENSWIFT_CACHE", str(Path.home() / ".cache" / "tokenswift"))
 
@@ -85,81 +82,14 @@ def smol_engine():
 
 # -- the studio server (tests/test_app_api.py, tests/test_browser.py) ----------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 180  # imports + migrations + loading the tiny model, on a busy 2-core machine
-
-
-@dataclass
-class StudioServer:
-    url: str
-    db_path: Path
-    log_path: Path
-    proc: subprocess.Popen
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_ready(db_path: Path) -> bool:
-    import storage
-
-    if not db_path.exists():
-        return False
-    with storage.open_database(db_path, migrate=False) as db:
-        try:
-            return any(s.state == "ready" for s in storage.get_worker_states(db))
-        except Exception:  # tables not created yet
-            return False
-
-
 @contextmanager
 def studio_server(folder: Path, model_dir: Path, *, db_path: Path | None = None, port: int | None = None,
                   args: tuple[str, ...] = ()) -> Iterator[StudioServer]:
-    """Run `python app.py` (on a free port unless given) until the page answers and the worker is ready; stop it
-    (SIGTERM) after."""
+    """`app.py` on the tiny model (no heads, eager) with its database in `folder` unless given; stopped after."""
     port = port or free_port()
-    db_path = db_path or folder / "studio.db"
-    log_path = folder / f"server-{port}.log"
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "TOKENSWIFT_DB": str(db_path),
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("GRADIO_SERVER_PORT", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--model", str(model_dir),
-                                 "--heads", "none", "--no-compile", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = StudioServer(f"http://127.0.0.1:{port}/", db_path, log_path, proc)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"app.py exited with {proc.returncode}:\n{server.log()}")
-            try:
-                with urllib.request.urlopen(server.url, timeout=5) as r:
-                    if r.status == 200 and _worker_ready(db_path):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"app.py did not become ready in {START_TIMEOUT_S} s:\n{server.log()}")
-            time.sleep(0.5)
+    with app_server(db_path or folder / "studio.db", folder / f"server-{port}.log", port=port,
+                    args=("--model", str(model_dir), "--heads", "none", "--no-compile", *args)) as server:
         yield server
-    finally:
-        stop_server(server)
-
-
-def stop_server(server: StudioServer, timeout: float = 40) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)  # graceful: the worker saves its run as interrupted
-        try:
-            server.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 gradio_client the way a script would. Create a project, generate, watch text and metrics grow, stop, export; then
 restart the server on the same database and find the same text.
 
-The server helpers (`studio_server`, `stop_server` and the module-scoped `server` fixture) are in tests/conftest.py,
-shared with the browser tests.
+The server helpers (`studio_server` and the module-scoped `server` fixture in tests/conftest.py, over
+app/studio_process.py) are shared with the browser tests.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import stop_server, studio_server
+from conftest import studio_server
+
+from app.studio_process import stop_server
 
 
 def wait_for(fn: Callable[[], Any], timeout: float = 90, every: float = 0.5, what: str = "condition") -> Any:
