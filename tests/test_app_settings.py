@@ -26,8 +26,8 @@ def load_entry():
 
 def test_defaults():
     s = load_entry().parse_settings([], env={})
-    assert (s.port, s.db, s.model, s.heads, s.worker, s.compile, s.host) == (
-        7860, None, "smollm2-135m", "default", True, None, None)
+    assert (s.port, s.db, s.model, s.heads, s.worker, s.compile, s.host, s.threads) == (
+        7860, None, "smollm2-135m", "default", True, None, None, None)
 
 
 def test_environment_then_command_line():
@@ -47,8 +47,32 @@ def test_help_is_instant_and_mentions_the_options(capsys):
     with pytest.raises(SystemExit):
         load_entry().parse_settings(["--help"], env={})
     out = capsys.readouterr().out
-    for option in ("--port", "--db", "--model", "--heads", "--no-worker", "--compile"):
+    for option in ("--port", "--db", "--model", "--heads", "--no-worker", "--compile", "--threads"):
         assert option in out
+
+
+def test_threads_setting_and_its_auto_default():
+    entry = load_entry()
+    assert entry.parse_settings([], env={"TOKENSWIFT_THREADS": "3"}).threads == 3
+    assert entry.parse_settings(["--threads", "2"], env={"TOKENSWIFT_THREADS": "3"}).threads == 2
+    assert entry.parse_settings(["--threads", "auto"], env={"TOKENSWIFT_THREADS": "3"}).threads is None
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(SystemExit, match="thread count must be auto or a whole number"):
+            entry.parse_settings(["--threads", bad], env={})
+
+    def threads(argv, cpus, torch_threads, env=None):
+        return entry.worker_threads(entry.parse_settings(argv, env=env or {}), cpus, torch_threads)
+
+    # Served on this machine with torch on every CPU: one is left to the browser drawing the page.
+    assert threads([], cpus=2, torch_threads=2) == 1
+    assert threads(["--host", "localhost"], cpus=8, torch_threads=8) == 7
+    # torch already leaves CPUs free (physical cores of a hyperthreaded laptop), one CPU, or a remote browser
+    # (a Space binds 0.0.0.0): torch's own choice stands.
+    assert threads([], cpus=8, torch_threads=4) is None
+    assert threads([], cpus=1, torch_threads=1) is None
+    assert threads([], cpus=2, torch_threads=2, env={"GRADIO_SERVER_NAME": "0.0.0.0"}) is None
+    # An explicit count always wins.
+    assert threads(["--threads", "2"], cpus=2, torch_threads=2) == 2
 
 
 # -- the default model's package on Spaces ---------------------------------------------------------------------------
