@@ -85,6 +85,10 @@ class StepBuckets:
         tps = _get(row, "tokens_per_s")
         if tps is None and self.total_ms > 0:  # older rows / workers that leave it out: tokens over decode time
             tps = self.tokens / (self.total_ms / 1000)
+        if self.n_steps == 0:
+            # The first step is one token over one draw or forward (TokenSwift's comes from the prefill's logits, a
+            # draw of ~2 ms: "500 tokens/s"), not yet a rate; plotted, it flattened the rest of the line.
+            tps = None
         rep = _get(row, "repetition")
         values = {"step": step, "tokens_so_far": self.tokens, "new_tokens": new, "accepted": accepted,
                   "from_ngram": ngram, "heads": max(0, accepted - ngram), "tokens_per_s": tps,

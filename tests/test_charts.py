@@ -76,8 +76,22 @@ def test_missing_values_stay_gaps_and_throughput_falls_back_to_step_times():
     b = buckets_from_rows([{"step": 0, "new_tokens": 2, "step_ms": 100.0, "tokens_so_far": 2},
                            {"step": 1, "new_tokens": 2, "step_ms": 100.0, "tokens_so_far": 4, "repetition": 0.5}])
     assert b.series("repetition") == [None, 0.5]
-    assert b.series("tokens_per_s") == pytest.approx([20.0, 20.0])  # tokens / decode seconds so far
+    assert b.series("tokens_per_s") == [None, pytest.approx(20.0)]  # tokens / decode seconds so far, from step 2
     assert b.last_repetition == 0.5
+
+
+def test_throughput_starts_at_the_second_step():
+    # TokenSwift's first step is a draw from the prefill's logits: one token in 2 ms is not a rate worth drawing.
+    data = [{"step": 0, "new_tokens": 1, "step_ms": 2.0, "tokens_so_far": 1, "tokens_per_s": 500.0},
+            {"step": 1, "new_tokens": 2, "step_ms": 98.0, "tokens_so_far": 3, "tokens_per_s": 30.0},
+            {"step": 2, "new_tokens": 1, "step_ms": 100.0, "tokens_so_far": 4, "tokens_per_s": 20.0}]
+    b = StepBuckets()
+    b.extend(data[:1])
+    assert b.last_tokens_per_s is None and b.series("tokens_per_s") == [None]  # the status line waits too
+    b.extend(data[1:])
+    assert b.series("tokens_per_s") == [None, 30.0, 20.0] and b.last_tokens_per_s == 20.0
+    # Merged into one bucket, the first step's figure still does not count.
+    assert buckets_from_rows(data, max_points=2).series("tokens_per_s")[0] == pytest.approx(30.0)
 
 
 def test_empty_data_gives_placeholder_figures():
