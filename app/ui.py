@@ -664,8 +664,11 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                 with gr.Accordion("Past comparisons", open=True):
                     cmp_pick = gr.Dropdown(label="Show comparison", choices=[], value=None, elem_id="compare-pick",
                                            info="Or click a row of the table.")
+                    # Fixed widths: left to itself the prompt column took the row and squeezed the figures'
+                    # headers to a few letters a line.
                     cmp_table = gr.Dataframe(headers=views.COMPARE_COLUMNS, interactive=False, wrap=True,
-                                             elem_id="compare-table", max_height=320)
+                                             elem_id="compare-table", max_height=320,
+                                             column_widths=["4%", "13%", "30%", "8%", "11%", "13%", "9%", "12%"])
 
             # -- History & export --
             with gr.Tab("History & export", id="history", elem_id="tab-history") as history_tab:
