@@ -1,5 +1,5 @@
-"""The page benchmark (app/page_bench.py): real `app.py` servers on the tiny model, one per thread setting, the same
-run decoded with a headless Chromium page open on it and without; a table and JSON of every run."""
+"""The page benchmark (app/page_bench.py): a real `app.py` on the tiny model, the same run decoded with a headless
+Chromium page open on it and without; a table and JSON of every run; ratios paired by repeat."""
 from __future__ import annotations
 
 import json
@@ -12,27 +12,24 @@ from app import page_bench
 
 
 @pytest.mark.slow
-def test_page_bench_runs_every_setting_with_and_without_a_page(tiny_model_dir: Path, tmp_path: Path, capsys):
+def test_page_bench_runs_with_and_without_a_page(tiny_model_dir: Path, tmp_path: Path, capsys):
     if not os.path.exists(page_bench.CHROMIUM):
         if os.environ.get("CI"):
             pytest.fail(f"{page_bench.CHROMIUM} is missing: install it with `make browser`")
         pytest.skip(f"{page_bench.CHROMIUM} is missing")
     out = tmp_path / "bench" / "page.json"
-    rc = page_bench.main(["--model", str(tiny_model_dir), "--threads", "1", "--repeats", "1",
+    # One thread setting (one server start, the test's main cost); the ratios across settings are tested below.
+    rc = page_bench.main(["--model", str(tiny_model_dir), "--threads", "all", "--repeats", "1",
                           "--max-new-tokens", "24", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "| 1 | on |" in table and "| all | off |" in table  # `all`, the reference, is always measured
+    assert "| all | on |" in table and "| all | off |" in table
     report = json.loads(out.read_text())
     runs = report["runs"]
-    assert sorted((r["threads"], r["page"]) for r in runs) == [("1", "off"), ("1", "on"), ("all", "off"),
-                                                                 ("all", "on")]
+    assert sorted((r["threads"], r["page"]) for r in runs) == [("all", "off"), ("all", "on")]
     assert all(r["n_tokens"] == 24 and r["tokens_per_s"] > 0 for r in runs)
     assert report["same_text"] is True  # the same premise and seed: every run wrote the same tokens
-    rows = {(r["threads"], r["page"]): r for r in report["summary"]}
-    assert rows[("all", "on")]["vs_all"] == 1.0
-    ratio = rows[("1", "off")]["vs_all"]
-    assert ratio == pytest.approx(rows[("1", "off")]["tokens_per_s"] / rows[("all", "off")]["tokens_per_s"])
+    assert [r["vs_all"] for r in report["summary"]] == [1.0, 1.0]
     assert report["hardware"]["cpus"] >= 1
 
 
