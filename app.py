@@ -73,12 +73,12 @@ def _flag(value: str | None) -> bool | None:
 
 
 def _threads(value: str | None) -> int | None:
-    value = (value or "auto").strip().lower()
-    if value == "auto":
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise SystemExit(f"app.py: the thread count must be auto or a whole number of at least 1, got {value!r}")
-    return int(value)
+    from app.worker import parse_threads  # not at the top: `python app.py --help` stays instant
+
+    try:
+        return parse_threads(value)
+    except ValueError as e:
+        raise SystemExit(f"app.py: {e}") from None
 
 
 def worker_threads(settings: AppSettings, cpus: int, torch_threads: int) -> int | None:
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     elif settings.worker:
         import torch
 
-        from app.worker import Worker
+        from app.worker import Worker, usable_cpus
 
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = usable_cpus()
         threads = worker_threads(settings, cpus, torch.get_num_threads())
         if threads is not None:
             torch.set_num_threads(threads)  # before any graph compiles: inductor bakes the count into its kernels

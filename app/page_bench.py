@@ -31,6 +31,8 @@ from typing import Any
 import storage
 from app import jobs
 from app.studio_process import studio_server
+from app.views import ACTIVE
+from app.worker import parse_threads, usable_cpus
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -50,20 +52,16 @@ class PageRun:
     text_sha1: str
 
 
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def thread_flag(setting: str) -> str:
     """app.py's --threads value for a setting: auto, all (every CPU) or a number."""
-    return str(cpu_count()) if setting == "all" else setting
+    return str(usable_cpus()) if setting == "all" else setting
 
 
 def wait_done(db: storage.Database, run_id: int, timeout_s: float = RUN_TIMEOUT_S) -> storage.Run:
     deadline = time.monotonic() + timeout_s
     while True:
         run = storage.get_run(db, run_id)
-        if run.status not in ("queued", "running"):
+        if run.status not in ACTIVE:
             if run.status != "done":
                 raise RuntimeError(f"run {run_id} ended {run.status}: {run.error}")
             return run
@@ -148,8 +146,11 @@ def _list(value: str, allowed: tuple[str, ...] | None = None) -> list[str]:
     for v in items:
         if allowed is not None and v not in allowed:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(allowed)}, got {v!r}")
-        if allowed is None and v not in ("auto", "all") and not (v.isdigit() and int(v) >= 1):
-            raise argparse.ArgumentTypeError(f"threads are auto, all or a number of at least 1, got {v!r}")
+        if allowed is None and v != "all":
+            try:
+                parse_threads(v)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(f"{e} (or all)") from None
     if not items:
         raise argparse.ArgumentTypeError("the list is empty")
     return items
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 browser.close()
     rows = summarize(runs, args.threads, args.pages)
     same = len({r.text_sha1 for r in runs}) == 1
-    info = {**hardware(), "cpus": cpu_count()}
+    info = {**hardware(), "cpus": usable_cpus()}
     info.pop("threads", None)  # this process's, not the servers'
     print(markdown(rows))
     print(f"\n{info.get('cpu', '')}, {info['cpus']} CPUs; {args.max_new_tokens} tokens a run, "

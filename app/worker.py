@@ -662,6 +662,22 @@ class _Heartbeat(_Ticker):
 
 # -- command line -------------------------------------------------------------------------------------------------
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's share), at least 1."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def parse_threads(value: str | None) -> int | None:
+    """A thread-count setting: "auto" (or nothing) gives None, else a whole number of at least 1; ValueError
+    otherwise."""
+    value = (value or "auto").strip().lower()
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"the thread count must be auto or a whole number of at least 1, got {value!r}")
+    return int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app.worker",
                                 description="TokenSwift Studio generation worker: runs queued runs from the database")
