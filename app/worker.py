@@ -678,6 +678,13 @@ def parse_threads(value: str | None) -> int | None:
     return int(value)
 
 
+def _thread_count(value: str) -> int | None:
+    try:
+        return parse_threads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app.worker",
                                 description="TokenSwift Studio generation worker: runs queued runs from the database")
@@ -693,7 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=None, help="stable id: a restarted worker with the same id flags the "
                                                      "runs it was killed with as interrupted (default: host:pid)")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between queue polls when idle")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=_thread_count, default=None,
+                   help="CPU threads for torch: a whole number, or auto (default: torch's choice)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -703,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)

