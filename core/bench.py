@@ -40,6 +40,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-always": {"min_draft_score": 0.0},
     "tokenswift-raw-gate": {"calibrate": False, "min_draft_score": 0.35},
     "tokenswift-tree2": {"tree_budget": 2, "min_draft_score": 0.25},  # the compiled CPU defaults, e.g. run eagerly
+    # larger trees whose extra nodes pass the same gate: deeper drafts only when their chance is high
+    "tokenswift-tree3": {"tree_budget": 3},
+    "tokenswift-tree4": {"tree_budget": 4},
 }
 METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,17 +117,24 @@ class RssSampler:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
+def method_engine(engine: Any, method: str) -> Any:
+    """The engine a method runs on: a variant shares the model, heads and compiled graphs and changes one thing."""
+    if method not in VARIANTS:
+        return engine
+    engine = copy.copy(engine)
+    engine.notices = []
+    changes = VARIANTS[method]
+    if changes is None:
+        engine.heads = None
+    else:
+        engine.options = replace(engine.options, **changes)
+    return engine
+
+
 def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampling: Any) -> Run:
     from core.decoding import GenerationConfig
 
-    if method in VARIANTS:
-        engine = copy.copy(engine)  # same model, heads and compiled graphs; one thing changed
-        engine.notices = []
-        changes = VARIANTS[method]
-        if changes is None:
-            engine.heads = None
-        else:
-            engine.options = replace(engine.options, **changes)
+    engine = method_engine(engine, method)
     config = GenerationConfig(max_new_tokens=length, method="ar" if method == "ar" else "tokenswift",
                               sampling=sampling, ignore_eos=True)
     times: list[float] = []
@@ -312,12 +322,14 @@ def run_bench(args: argparse.Namespace) -> int:
 
     engine = Engine.load(args.model, heads=heads, device=args.device, options=options_from(args),
                          compile=args.compile)
-    if args.compile:
-        print(f"compiling graphs ({engine.warm_up():.0f} s)", file=sys.stderr)
+    ours = [method_engine(engine, m) for m in methods if not m.startswith("hf")] or [engine]
+    if args.compile:  # every method's graphs (a variant's larger tree needs a larger one), before any timing
+        seconds = sum(e.warm_up() for e in ours)
+        print(f"compiling graphs ({seconds:.0f} s)", file=sys.stderr)
     sampling = PRESETS[args.sampling].with_(seed=args.seed)
     prompt_ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
     longest = max(lengths)
-    limit = engine.max_context - engine.max_block
+    limit = engine.max_context - max(e.max_block for e in ours)
     too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) + longest > limit]
     if too_long:
         raise ValueError(f"--lengths up to {longest} do not fit the model's context of {engine.max_context} tokens "

@@ -59,6 +59,20 @@ def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
     assert engine.heads is not None and engine.options.ngram_topk > 0 and engine.options.root_head, "engine untouched"
 
 
+def test_a_variants_larger_tree_gets_its_graph_compiled(tmp_path: Path) -> None:
+    from core.bench import method_engine
+    from core.engine import Engine
+    from core.loading import load_model
+    from core.tokenswift import TokenSwiftOptions
+    from tests.conftest import make_tiny_checkpoint
+
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)))
+    engine = Engine(loaded, None, TokenSwiftOptions(tree_budget=2), compile=True)
+    graphs = {m: [what for what, _ in method_engine(engine, m).warm_up_plan()] for m in ("tokenswift", "tokenswift-tree4")}
+    assert "the 2-token graph" in graphs["tokenswift"] and "the 4-token graph" not in graphs["tokenswift"]
+    assert "the 4-token graph" in graphs["tokenswift-tree4"]  # else its trees would run eagerly and be timed so
+
+
 def test_transformers_baselines_can_stop_early(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "b.json"
     rc = main(["bench", "--model", str(tiny_model_dir), "--heads", "none", "--n-prompts", "1", "--lengths", "16,40",
@@ -74,6 +88,20 @@ def test_lengths_beyond_the_context_are_refused(tiny_model_dir: Path, capsys) ->
                "--methods", "ar"])
     assert rc == 2
     assert "do not fit the model's context of 4096 tokens" in capsys.readouterr().err
+
+
+def test_the_context_limit_counts_every_methods_tree(tiny_model_dir: Path, capsys) -> None:
+    import re
+
+    def longest_that_fits(methods: str, length: int) -> int:
+        rc = main(["bench", "--model", str(tiny_model_dir), "--heads", "none", "--tree-budget", "2",
+                   "--lengths", str(length), "--methods", methods])
+        assert rc == 2
+        return int(re.search(r"the longest length that fits is (\d+)", capsys.readouterr().err).group(1))
+
+    fits = longest_that_fits("ar,tokenswift", 5000)
+    # a variant's 4-node tree appends two more tokens a step past the end than the 2-node default
+    assert longest_that_fits("ar,tokenswift-tree4", fits) == fits - 2
 
 
 def test_unknown_method_is_refused(tiny_model_dir: Path, capsys) -> None:
