@@ -31,7 +31,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def add_tokenswift_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-mode", choices=["fused", "separate"], default=None)
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="tree nodes verified per step (default: 2 on a CPU with --compile, 4 eager, 16 on CUDA)")
+                   help="tree nodes verified at most per step (default: 4 on a CPU, 16 on CUDA)")
+    p.add_argument("--draft-depth", type=int, default=None,
+                   help="tree levels the model's heads draft; deeper ones come from n-gram chains (default: 1 on a "
+                        "CPU with --compile, else every level)")
     p.add_argument("--kv-budget", type=int, default=None, help="partial KV cache size for the separate draft pass")
     p.add_argument("--ngram-lag", type=int, default=None, help="leave the last N tokens out of the n-gram table")
     p.add_argument("--ngram-topk", type=int, default=None,
@@ -58,7 +61,8 @@ def options_from(args: argparse.Namespace):
     from core.tokenswift import TokenSwiftOptions
 
     opts = TokenSwiftOptions()
-    for name in ("draft_mode", "tree_budget", "kv_budget", "ngram_lag", "ngram_topk", "min_draft_score"):
+    for name in ("draft_mode", "tree_budget", "draft_depth", "kv_budget", "ngram_lag", "ngram_topk",
+                 "min_draft_score"):
         value = getattr(args, name, None)
         if value is not None:
             opts = replace(opts, **{name: value})

@@ -39,10 +39,12 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-no-heads": None,
     "tokenswift-always": {"min_draft_score": 0.0},
     "tokenswift-raw-gate": {"calibrate": False, "min_draft_score": 0.35},
-    "tokenswift-tree2": {"tree_budget": 2, "min_draft_score": 0.25},  # the compiled CPU defaults, e.g. run eagerly
-    # larger trees whose extra nodes pass the same gate: deeper drafts only when their chance is high
-    "tokenswift-tree3": {"tree_budget": 3},
-    "tokenswift-tree4": {"tree_budget": 4},
+    "tokenswift-tree2": {"tree_budget": 2, "min_draft_score": 0.25},  # the compiled CPU's trees before deep4
+    "tokenswift-deep4": {"tree_budget": 4, "draft_depth": 1, "min_draft_score": 0.25},  # the compiled CPU defaults
+    # gated larger trees with the heads' drafts at every level
+    "tokenswift-tree3": {"tree_budget": 3, "draft_depth": 3},
+    "tokenswift-tree4": {"tree_budget": 4, "draft_depth": 4},
+    "tokenswift-tree16": {"tree_budget": 16, "draft_depth": 16, "min_draft_score": 0.0},  # the CUDA defaults
 }
 METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
 ROOT = Path(__file__).resolve().parent.parent

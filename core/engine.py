@@ -20,7 +20,13 @@ from core.heads import DraftHeads, HeadsError, load_heads
 from core.kv_cache import KVCache, PartialKVCache
 from core.loading import LoadedModel, load_model
 from core.model import Transformer
-from core.tokenswift import TokenSwiftOptions, default_min_draft_score, default_tree_budget, tokenswift_steps
+from core.tokenswift import (
+    TokenSwiftOptions,
+    default_draft_depth,
+    default_min_draft_score,
+    default_tree_budget,
+    tokenswift_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,8 @@ class Engine:
             options = replace(options, tree_budget=default_tree_budget(self.model.device, compile))
         if options.min_draft_score is None:
             options = replace(options, min_draft_score=default_min_draft_score(self.model.device, compile))
+        if options.draft_depth is None:
+            options = replace(options, draft_depth=default_draft_depth(self.model.device, compile))
         self.options = options
         self.runner = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
@@ -74,11 +82,11 @@ class Engine:
 
     @property
     def graph_heads(self) -> bool:
-        """Whether the compiled forward computes the heads' logits for every row. Not when a 2-node tree drafts only
-        the root head's token: reading the heads' lm_head rows would cost ~3% of a CPU step for nothing (drafting
-        computes them from the hidden state if a variant needs them)."""
-        budget = self.options.tree_budget
-        root_only = self.root_drafting and budget is not None and budget <= 2
+        """Whether the compiled forward computes the heads' logits for every row. Not when the root head's level is
+        the only one the model drafts (a 2-node tree, or a draft depth of 1): reading the heads' lm_head rows would
+        cost ~3% of a CPU step for nothing (drafting computes them from the hidden state if a variant needs them)."""
+        budget, depth = self.options.tree_budget, self.options.draft_depth
+        root_only = self.root_drafting and ((budget is not None and budget <= 2) or depth == 1)
         return self.heads is not None and not root_only
 
     @property
@@ -109,8 +117,13 @@ class Engine:
         return [] if self.runner is None else self.runner.plan(self._graph_sizes(), root=True)
 
     def _graph_sizes(self) -> tuple[int, ...]:
+        """One token, and the tree: on a GPU one graph of the tree's size (padding rows cost next to nothing there);
+        on a CPU every size up to it, since gated trees vary in size and a padded row costs as much as a real one."""
         assert self.runner is not None
-        return tuple(sorted({1, self.runner.bucket(self.options.tree_budget) or 1}))
+        top = self.runner.bucket(self.options.tree_budget) or 1
+        if self.device.type == "cuda":
+            return tuple(sorted({1, top}))
+        return tuple(s for s in self.runner.sizes if s <= top)
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
                 block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> tuple[Tensor, Tensor]:

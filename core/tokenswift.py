@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
-from core.calibration import DraftCalibrator
+from core.calibration import DraftCalibrator, Proposal
 from core.heads import rank_drafts
 from core.kv_cache import PartialKVCache
 from core.ngram import NGramTable
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DRAFT_MODES = ("fused", "separate")
 GAMMA = 4  # draft depth the paper's acceptance rate is normalised by
+MAX_TREE = 256  # nodes
 
 
 @dataclass(frozen=True)
@@ -52,18 +53,21 @@ class TokenSwiftOptions:
     ngram_topk: int = 20
     ngram_lag: int = 0  # index all but the last `ngram_lag` tokens (the paper lags by its penalty window, 1024)
     ngram_weight: float = 1.0  # scales the n-gram chains' acceptance estimate against the heads'
-    calibrate: bool = True  # score first-level drafts by their measured rate of being drawn (core/calibration.py)
+    calibrate: bool = True  # score drafts by their measured rate of being drawn (core/calibration.py)
+    draft_depth: int | None = None  # tree levels the model's drafters fill, deeper ones n-grams; None: the device's
     kv_budget: int = 4096  # partial KV cache of the separate draft pass
 
     def validate(self) -> "TokenSwiftOptions":
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft mode must be one of {', '.join(DRAFT_MODES)}, got {self.draft_mode!r}")
-        if self.tree_budget is not None and not 1 <= self.tree_budget <= 256:
-            raise ValueError(f"tree budget must be between 1 and 256 nodes, got {self.tree_budget}")
+        if self.tree_budget is not None and not 1 <= self.tree_budget <= MAX_TREE:
+            raise ValueError(f"tree budget must be between 1 and {MAX_TREE} nodes, got {self.tree_budget}")
         if self.min_draft_score is not None and not 0 <= self.min_draft_score <= 1:
             raise ValueError(f"minimum draft score must be between 0 and 1, got {self.min_draft_score}")
         if self.kv_budget <= PartialKVCache.SINKS + 1:
             raise ValueError(f"partial KV budget must exceed {PartialKVCache.SINKS + 1}, got {self.kv_budget}")
+        if self.draft_depth is not None and self.draft_depth < 1:
+            raise ValueError(f"draft depth must be at least 1, got {self.draft_depth}")
         if self.ngram_n < 2 or self.ngram_topk < 0 or self.head_topk < 1 or self.ngram_lag < 0:
             raise ValueError("n-gram size must be >= 2, top-k values >= 0 (head top-k >= 1), lag >= 0")
         return self
@@ -72,14 +76,22 @@ class TokenSwiftOptions:
 def default_tree_budget(device: torch.device, compiled: bool) -> int:
     """The tree size that gave the most tokens/s where it was measured (README, Performance).
 
-    On a CPU every extra verified token costs: compiled, 2 tokens cost ~1.15x one and 4 ~1.4x, and with 1.3-1.4
-    tokens accepted per step the smallest tree wins. Eagerly 4 nodes with every draft verified ran as fast as the
-    compiled defaults (0.98x against 0.95x `ar`, studio, one run, with the linear kernel). On a GPU verifying tens
-    of tokens costs about one step, so a larger tree is nearly free (not measured here: no GPU).
+    On a CPU every extra verified token costs (compiled, 2 tokens ~1.15x one and 4 ~1.4x), so the compiled CPU's
+    trees are gated (default_min_draft_score) and drafted by the root head at their first level only (see
+    default_draft_depth): most steps verify 1-2 tokens, and a loop the n-gram table knows verifies 4 (greedy 2.28x
+    `ar` against 1.66x with at most 2 nodes, studio 1.13x against 1.07x, Zen 3). Eagerly 4 nodes with every draft
+    verified ran as fast as the compiled 2-node tree (0.98x against 0.95x `ar`, studio, one run, with the linear
+    kernel). On a GPU verifying tens of tokens costs about one step, so a larger tree is nearly free (not measured
+    here: no GPU).
     """
-    if device.type == "cuda":
-        return 16
-    return 2 if compiled else 4
+    return 16 if device.type == "cuda" else 4
+
+
+def default_draft_depth(device: torch.device, compiled: bool) -> int:
+    """Tree levels the model's drafters fill: on a compiled CPU the root head's level only, deeper nodes come from
+    n-gram chains (heads 2 and 3 are right 10% and 8% of the time and would put their logits into every forward,
+    ~3% of a step); elsewhere every level."""
+    return 1 if device.type == "cpu" and compiled else MAX_TREE
 
 
 def default_min_draft_score(device: torch.device, compiled: bool) -> float:
@@ -97,14 +109,14 @@ def default_min_draft_score(device: torch.device, compiled: bool) -> float:
 
 def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
                backbone: Tensor | None, table: NGramTable,
-               calibrator: DraftCalibrator | None = None) -> tuple[Tree, list[tuple[int, float, int]]]:
+               calibrator: DraftCalibrator | None = None) -> tuple[Tree, list[Proposal]]:
     """Merge the model's drafts (draft_candidates) and the n-gram table's continuations below the root (the last
-    token of `gen`) into one budgeted trie, scored by the calibrator's chances if given. Also returns the first-level
-    drafts as proposed (token, score, sources), for the calibrator to learn from once the step is drawn."""
+    token of `gen`) into one budgeted trie, scored by the calibrator's chances if given. Also returns the drafts as
+    proposed, for the calibrator to learn from once the step is drawn."""
     opt = engine.options
     root = gen.tokens[-1]
     depth = opt.tree_budget - 1  # no deeper draft fits the tree
-    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, depth)
+    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, min(depth, opt.draft_depth or depth))
     builder = TreeBuilder(root)
     builder.add_product(candidates, HEADS)
     # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
@@ -209,8 +221,8 @@ def tokenswift_steps(engine: "Engine", gen: "Generation") -> Iterator["Step"]:
             path.append(token)
             accepted_nodes.append(node)
         cache.keep([0] + accepted_nodes)
-        if calibrator is not None:  # every first-level draft learns whether it was the token drawn after the root
-            calibrator.observe(proposed, path[0] if path else token)
+        if calibrator is not None:  # every draft whose parent was drawn learns whether it was drawn too
+            calibrator.observe(proposed, path + [token])
         # fused mode drafts the next step from the last accepted node
         h_last, head_logits = hidden[node], None if tree_heads is None else tree_heads[:, node]
         from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from core.calibration import Proposal
+
 HEADS = 1
 NGRAM = 2
 
@@ -93,21 +95,21 @@ class TreeBuilder:
 
         expand([], [], 0)
 
-    def recalibrate(self, chance: Callable[[float, int], float]) -> list[tuple[int, float, int]]:
-        """Replace each first-level node's score by `chance(score, sources)` and scale the paths below it alike.
-        Returns the first-level drafts as proposed: (token, score, sources)."""
-        proposed = [(self.tokens[i], self.scores[i], self.sources[i]) for i in range(1, len(self.tokens))
-                    if self.depths[i] == 1]
-        factor = [1.0] * len(self.tokens)
+    def recalibrate(self, chance: Callable[[float, int, int], float]) -> list[Proposal]:
+        """Rescore every node by `chance(raw score given its parent, sources, depth)`, the calibrated chance that it
+        is drawn once its parent is, times its parent's new score. Returns every node as proposed (Proposal), for
+        the calibrator to judge once the step is drawn."""
+        raw = self.scores[:]
+        prefixes: list[tuple[int, ...]] = [()]
+        proposed: list[Proposal] = []
         for i in range(1, len(self.tokens)):  # parents come before their children
             parent = self.parents[i]
-            if parent == 0:
-                new = chance(self.scores[i], self.sources[i])
-                factor[i] = new / self.scores[i] if self.scores[i] > 0 else 1.0
-                self.scores[i] = new
-            else:
-                factor[i] = factor[parent]
-                self.scores[i] = min(self.scores[i] * factor[i], self.scores[parent])
+            prefixes.append(prefixes[parent] + (self.tokens[parent],) if parent else ())
+            given_parent = raw[i] if parent == 0 else (raw[i] / raw[parent] if raw[parent] > 0 else 0.0)
+            proposed.append((prefixes[i], self.tokens[i], given_parent, self.sources[i]))
+            # chances are at most 1, so a child never outranks its parent and the best nodes stay prefix-closed
+            self.scores[i] = (1.0 if parent == 0 else self.scores[parent]) * chance(given_parent, self.sources[i],
+                                                                                     self.depths[i])
         return proposed
 
     def build(self, budget: int, min_score: float = 0.0) -> Tree:

@@ -79,6 +79,22 @@ def test_tiny_models_with_random_heads_are_lossless(tmp_path: Path, arch: str, m
     assert total_accepted > 0, "the tree was never exercised"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["greedy", "studio"])
+def test_n_gram_chains_below_the_root_heads_draft_are_lossless(smol_engine, smol_heads, preset: str) -> None:
+    """The compiled CPU's trees (run eagerly here): the root head drafts the first level, n-gram chains go deeper,
+    every node gated by its calibrated chance. Greedy text loops within a few hundred tokens, so chains get long."""
+    engine = Engine(smol_engine.loaded, smol_heads, TokenSwiftOptions(tree_budget=4, draft_depth=1,
+                                                                      min_draft_score=0.25))
+    ids = encode_prompt(smol_engine.tokenizer, PROMPTS[0])
+    config = GenerationConfig(max_new_tokens=N_TOKENS, sampling=PRESETS[preset].with_(seed=11), ignore_eos=True)
+    _, ts = assert_lossless(engine, ids, config)
+    chains = [s for s in ts.steps if s.accepted >= 2]
+    assert all(s.from_ngram >= s.accepted - 1 for s in chains)  # only the first level is the heads'
+    if preset == "greedy":
+        assert sum(s.accepted == 3 for s in ts.steps) > 10, "chains below the first level were never accepted"
+
+
 def test_partial_cache_refreshes_many_times_and_stays_lossless(tmp_path: Path) -> None:
     engine = peaky_tiny_engine(tmp_path, "llama", "separate", kv_budget=24)
     ids = torch.randint(512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
