@@ -85,9 +85,14 @@ class Engine:
         """Whether the compiled forward computes the heads' logits for every row. Not when the root head's level is
         the only one the model drafts (a 2-node tree, or a draft depth of 1): reading the heads' lm_head rows would
         cost ~3% of a CPU step for nothing (drafting computes them from the hidden state if a variant needs them)."""
-        budget, depth = self.options.tree_budget, self.options.draft_depth
-        root_only = self.root_drafting and ((budget is not None and budget <= 2) or depth == 1)
-        return self.heads is not None and not root_only
+        return self.heads is not None and not (self.root_drafting and self.draft_levels <= 1)
+
+    @property
+    def draft_levels(self) -> int:
+        """Tree levels below the root that the model's drafters fill (deeper ones only n-gram chains)."""
+        opt = self.options
+        assert opt.tree_budget is not None and opt.draft_depth is not None  # resolved in __init__
+        return min(opt.tree_budget - 1, opt.draft_depth)
 
     @property
     def device(self) -> torch.device:

@@ -116,7 +116,7 @@ def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, 
     opt = engine.options
     root = gen.tokens[-1]
     depth = opt.tree_budget - 1  # no deeper draft fits the tree
-    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, min(depth, opt.draft_depth or depth))
+    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, engine.draft_levels)
     builder = TreeBuilder(root)
     builder.add_product(candidates, HEADS)
     # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
