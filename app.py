@@ -115,7 +115,7 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
                                                             "separately on the same database")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the model's graphs before the worker's first run (a step ~1.2x faster on a "
-                        "CPU; 2-3 minutes at every start); --no-compile: never (default: $TOKENSWIFT_COMPILE, "
+                        "CPU; 3-4 minutes at every start); --no-compile: never (default: $TOKENSWIFT_COMPILE, "
                         "else auto: on a CPU, runs start eagerly at once and the graphs compile while the queue "
                         "is empty)")
     p.add_argument("--threads", default=None,

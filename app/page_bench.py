@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--compile", action="store_true",
-                   help="compiled graphs (each server compiles them first: 2-3 minutes a start on 2 cores)")
+                   help="compiled graphs (each server compiles them first: 3-4 minutes a start on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write every run and the summary here")
     return p
 
