@@ -78,11 +78,11 @@ def default_tree_budget(device: torch.device, compiled: bool) -> int:
 
     On a CPU every extra verified token costs (compiled, 2 tokens ~1.15x one and 4 ~1.4x), so the compiled CPU's
     trees are gated (default_min_draft_score) and drafted by the root head at their first level only (see
-    default_draft_depth): most steps verify 1-2 tokens, and a loop the n-gram table knows verifies 4 (greedy 2.28x
-    `ar` against 1.66x with at most 2 nodes; studio 1.22x / 1.18x against 1.14x / 1.04x at 1024 / 4096 tokens, Zen 3).
-    Eagerly, 4 nodes with every draft verified (the sweep's best before the root head; now studio 1.12x `ar` at 1.57
-    tokens per step). On a GPU verifying tens of tokens costs about one step, so a larger tree is nearly free (not
-    measured here: no GPU).
+    default_draft_depth): most steps verify 1-2 tokens, and a loop the n-gram table knows verifies 4 (greedy
+    2.15-2.35x `ar` to 8000 tokens against 1.52-1.63x with at most 2 nodes; studio 1.22x / 1.18x against 1.14x /
+    1.04x at 1024 / 4096 tokens; Zen 3). Eagerly, 4 nodes with every draft verified (the sweep's best before the
+    root head; now studio 1.12x `ar` at 1.57 tokens per step). On a GPU verifying tens of tokens costs about one
+    step, so a larger tree is nearly free (not measured here: no GPU).
     """
     return 16 if device.type == "cuda" else 4
 
@@ -120,7 +120,10 @@ def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, 
     builder = TreeBuilder(root)
     builder.add_product(candidates, HEADS)
     # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
-    keys = [(root, [], 1.0)] + ([(candidates[0][0][0], [candidates[0][0][0]], candidates[0][0][1])] if candidates else [])
+    keys = [(root, [], 1.0)]
+    if candidates:
+        first, chance = candidates[0][0]
+        keys.append((first, [first], chance))
     for key, prefix, base in keys:
         # a continuation seen c times among `total` scores c / (total + 1): one seen once is right ~1 time in 4 with
         # the studio settings, not always (as c / total would claim); measured on generated text
