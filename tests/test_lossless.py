@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "assets/bench_prompts.jsonl").read_text().splitlines()][:3]
 SETTINGS = ["greedy", "studio", "paper"]
 MODES = ["fused", "separate"]
-# Per run on the real model: 3 prompts x 3 settings x (vanilla + fused) and the paper's separate mode on the first
-# prompt of each setting is ~7 minutes on 2 cores.
+# Tokens per run on the real model: 3 prompts x 3 settings x (vanilla + fused), plus the separate draft mode (the
+# paper's) on each setting's first prompt, take ~5.5 minutes on 2 cores.
 N_TOKENS = 320
 
 
