@@ -75,7 +75,8 @@ def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_lev
     assert (opt.tree_budget, opt.draft_depth, opt.min_draft_score) == (4, 1, 0.25)
     assert engine.root_drafting and not engine.graph_heads  # the heads' logits stay out of every forward
     # gated trees vary in size, and on a CPU a padded row costs like a real one: a graph for each size
-    assert [what for what, _ in engine.warm_up_plan()] == ["the root head"] + [f"the {n}-token graph" for n in (1, 2, 3, 4)]
+    graphs = [what for what, _ in engine.warm_up_plan()]
+    assert graphs == ["the root head"] + [f"the {n}-token graph" for n in (1, 2, 3, 4)]
     eager = Engine(loaded, heads).options
     assert (eager.tree_budget, eager.min_draft_score) == (4, 0.0) and eager.draft_depth >= eager.tree_budget
 
