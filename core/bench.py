@@ -40,7 +40,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-always": {"min_draft_score": 0.0},
     "tokenswift-raw-gate": {"calibrate": False, "min_draft_score": 0.35},
     "tokenswift-tree2": {"tree_budget": 2, "min_draft_score": 0.25},  # the compiled CPU's trees before deep4
-    "tokenswift-deep4": {"tree_budget": 4, "draft_depth": 1, "min_draft_score": 0.25},  # the compiled CPU defaults
+    # the compiled CPU defaults before the chained root head (its first level only)
+    "tokenswift-deep4": {"tree_budget": 4, "draft_depth": 1, "min_draft_score": 0.25},
     # gated larger trees with the heads' drafts at every level
     "tokenswift-tree3": {"tree_budget": 3, "draft_depth": 3},
     "tokenswift-tree4": {"tree_budget": 4, "draft_depth": 4},

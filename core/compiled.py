@@ -114,7 +114,7 @@ class CompiledRunner:
                                  dynamic=False)
         # Eagerly the root head costs ~1 ms a step on a CPU, mostly per-op overhead and cold weights; compiled ~0.5.
         self._root_fn = None if root is None else torch.compile(
-            lambda h, r: root.root_logits(h, r, model), mode=mode, fullgraph=True, dynamic=False)
+            lambda h, r: root.root_step(h, r, model), mode=mode, fullgraph=True, dynamic=False)
         self.ready: set[int] = set()  # sizes whose graphs are compiled
         self.root_ready = False
 
@@ -152,8 +152,8 @@ class CompiledRunner:
         self.root_ready = True
         device = self.model.device
         with torch.inference_mode():
-            self.root_logits(torch.zeros(1, self.model.cfg.hidden_size, dtype=self.model.dtype, device=device),
-                             torch.zeros(1, dtype=torch.long, device=device))
+            self.root_step(torch.zeros(1, self.model.cfg.hidden_size, dtype=self.model.dtype, device=device),
+                           torch.zeros(1, dtype=torch.long, device=device))
 
     def _warm_graph(self, size: int) -> None:
         cache = self.model.new_cache(size + 1)
@@ -190,8 +190,8 @@ class CompiledRunner:
         cache.n_new = n  # padding rows were written past the real ones; commit() must not keep them
         return logits[:n], hidden[:n], (head_logits[:, :n] if head_logits is not None else None)
 
-    def root_logits(self, h0: Tensor, roots: Tensor) -> Tensor | None:
-        """DraftHeads.root_logits of one row through its graph; None if that graph is not compiled."""
+    def root_step(self, h0: Tensor, roots: Tensor) -> tuple[Tensor, Tensor] | None:
+        """DraftHeads.root_step of one row through its graph; None if that graph is not compiled."""
         if not self.root_ready or self._root_fn is None or h0.shape[0] != 1:
             return None
         return self._root_fn(h0, roots)

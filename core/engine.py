@@ -44,7 +44,8 @@ class Engine:
         if options.min_draft_score is None:
             options = replace(options, min_draft_score=default_min_draft_score(self.model.device, compile))
         if options.draft_depth is None:
-            options = replace(options, draft_depth=default_draft_depth(self.model.device, compile))
+            chain = heads.root_chain if heads is not None and heads.root is not None else 1
+            options = replace(options, draft_depth=default_draft_depth(self.model.device, compile, chain))
         self.options = options
         self.runner = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
@@ -81,11 +82,19 @@ class Engine:
         return opt.draft_mode == "fused" and opt.root_head and self.heads is not None and self.heads.root is not None
 
     @property
+    def chained_drafting(self) -> bool:
+        """Whether the root head drafts more than one level, reading its own state back (DraftHeads.root_step)."""
+        return self.root_drafting and self.heads.root_chain > 1 and self.draft_levels > 1
+
+    @property
     def graph_heads(self) -> bool:
-        """Whether the compiled forward computes the heads' logits for every row. Not when the root head's level is
-        the only one the model drafts (a 2-node tree, or a draft depth of 1): reading the heads' lm_head rows would
-        cost ~3% of a CPU step for nothing (drafting computes them from the hidden state if a variant needs them)."""
-        return self.heads is not None and not (self.root_drafting and self.draft_levels <= 1)
+        """Whether the compiled forward computes the heads' logits for every row. Not when the root head drafts
+        every level the model drafts (a 2-node tree, a draft depth of 1, or a chained root head): reading the heads'
+        lm_head rows would cost ~3% of a CPU step for nothing (drafting computes them from the hidden state if a
+        variant needs them)."""
+        if self.heads is None:
+            return False
+        return not (self.root_drafting and (self.draft_levels <= 1 or self.heads.root_chain > 1))
 
     @property
     def draft_levels(self) -> int:
@@ -152,14 +161,14 @@ class Engine:
         logits, hidden = self.model(tokens, positions, cache, block_mask)
         return logits, hidden, None
 
-    def root_logits(self, h0: Tensor, roots: Tensor) -> Tensor:
-        """The root head's logits (DraftHeads.root_logits), through its compiled graph when there is one."""
+    def root_step(self, h0: Tensor, roots: Tensor) -> tuple[Tensor, Tensor]:
+        """The root head's state and logits (DraftHeads.root_step), through its compiled graph when there is one."""
         if self.runner is not None:
-            out = self.runner.root_logits(h0, roots)
+            out = self.runner.root_step(h0, roots)
             if out is not None:
                 return out
         assert self.heads is not None
-        return self.heads.root_logits(h0, roots, self.model)
+        return self.heads.root_step(h0, roots, self.model)
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig, cancel: Callable[[], bool] | None = None,
                  resume_ids: list[int] = ()) -> Generation:  # type: ignore[assignment]

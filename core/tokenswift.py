@@ -87,11 +87,12 @@ def default_tree_budget(device: torch.device, compiled: bool) -> int:
     return 16 if device.type == "cuda" else 4
 
 
-def default_draft_depth(device: torch.device, compiled: bool) -> int:
-    """Tree levels the model's drafters fill: on a compiled CPU the root head's level only, deeper nodes come from
-    n-gram chains (heads 2 and 3 are right 10% and 8% of the time and would put their logits into every forward,
-    ~3% of a step); elsewhere every level."""
-    return 1 if device.type == "cpu" and compiled else MAX_TREE
+def default_draft_depth(device: torch.device, compiled: bool, root_chain: int = 1) -> int:
+    """Tree levels the model's drafters fill: on a compiled CPU the root head's levels only (`root_chain`: more
+    than one if it is chained), deeper nodes come from n-gram chains (heads 2 and 3 are right 10% and 8% of the
+    time and would put their logits into every forward, ~3% of a step; a chained root head's deeper drafts are
+    right about a third of the time and cost ~0.5 ms a level); elsewhere every level."""
+    return root_chain if device.type == "cpu" and compiled else MAX_TREE
 
 
 def default_min_draft_score(device: torch.device, compiled: bool) -> float:
@@ -116,9 +117,12 @@ def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, 
     opt = engine.options
     root = gen.tokens[-1]
     depth = opt.tree_budget - 1  # no deeper draft fits the tree
-    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, engine.draft_levels)
+    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, engine.draft_levels, calibrator)
     builder = TreeBuilder(root)
-    builder.add_product(candidates, HEADS)
+    if engine.chained_drafting:  # deeper drafts hold only under the top draft above them
+        builder.add_chain(candidates, HEADS)
+    else:
+        builder.add_product(candidates, HEADS)
     # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
     keys = [(root, [], 1.0)]
     if candidates:
@@ -136,14 +140,17 @@ def draft_tree(engine: "Engine", gen: "Generation", head_logits: Tensor | None, 
 
 
 def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | None, h_last: Tensor | None,
-                     backbone: Tensor | None, depth: int) -> list[list[tuple[int, float]]]:
+                     backbone: Tensor | None, depth: int,
+                     calibrator: DraftCalibrator | None = None) -> list[list[tuple[int, float]]]:
     """[(token, estimated chance), ...] for each of the first `depth` positions after the root, from the backbone
     (separate mode), the root head and the heads, each ranked as the sampler will draw there (heads.candidates).
 
     `h_last` is the hidden state the heads read (fused mode: the position before the root, head k predicts the k-th
     token after the root, and the root head reads it with the root; separate mode: the root, one further);
     `head_logits` [n_heads, V'] their predictions if the forward computed them (None: computed here if needed);
-    `backbone` the draft pass's next-token logits (separate mode only).
+    `backbone` the draft pass's next-token logits (separate mode only). A chained root head stops where the path
+    of its top drafts is less likely than the draft gate (by `calibrator`'s chances, if given): no node below could
+    be verified, since none is more likely than its parent.
     """
     opt, heads, device = engine.options, engine.heads, engine.device
     root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
@@ -162,12 +169,21 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
         candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
     if heads is None or h_last is None:
         return candidates
-    if engine.root_drafting and depth > 0:
-        # the root head predicts head 1's token knowing the root: nearly twice as often right
-        logits = engine.root_logits(h_last[None], torch.tensor([root], device=device))
-        ids, p = heads.candidates(sampler.draft_scores(logits, heads.root_ids), opt.head_topk, noise(root_pos + 1, 1),
-                                  heads.root_ids)
-        candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
+    if engine.root_drafting:
+        # the root head predicts head 1's token knowing the root: nearly twice as often right. A chained one then
+        # reads its own state back with its top draft, a level deeper each time (heads.root_step)
+        state, token, chance = h_last[None], root, 1.0
+        for level in range(min(depth, heads.root_chain)):
+            if chance < (opt.min_draft_score or 0.0):
+                break
+            state, logits = engine.root_step(state, torch.tensor([token], device=device))
+            ids, p = heads.candidates(sampler.draft_scores(logits, heads.root_ids), opt.head_topk,
+                                      noise(root_pos + 1 + level, 1), heads.root_ids)
+            candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
+            token, top = int(ids[0, 0]), float(p[0, 0])
+            chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top
+        if engine.chained_drafting:  # its levels only: heads that know neither token above add nothing worth it
+            return candidates
     # in fused mode head k predicts the k-th token after the root, in separate mode the (k+1)-th
     skip = len(candidates) - (1 if backbone is not None else 0)
     more = min(depth - len(candidates), heads.n_heads - skip)

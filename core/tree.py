@@ -95,6 +95,20 @@ class TreeBuilder:
 
         expand([], [], 0)
 
+    def add_chain(self, candidates: list[list[tuple[int, float]]], source: int = HEADS) -> None:
+        """Per-depth candidates drafted along one path, each depth's knowing the top candidates above it (a chained
+        root head): every candidate hangs under that path of top candidates, scored by the product along it."""
+        prefix: list[int] = []
+        scores: list[float] = []
+        for level in candidates:
+            above = scores[-1] if scores else 1.0
+            for token, p in level:
+                self.add(prefix + [token], scores + [above * p], source)
+            if not level:
+                return
+            prefix.append(level[0][0])
+            scores.append(above * level[0][1])
+
     def recalibrate(self, chance: Callable[[float, int, int], float]) -> list[Proposal]:
         """Rescore every node by `chance(raw score given its parent, sources, depth)`, the calibrated chance that it
         is drawn once its parent is, times its parent's new score. Returns every node as proposed (Proposal), for

@@ -67,7 +67,7 @@ def test_compiled_engine_is_lossless(tmp_path: Path) -> None:
     assert_lossless(engine, ids, config)
 
 
-def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_level_only(tmp_path: Path) -> None:
+def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_levels_only(tmp_path: Path) -> None:
     loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu")
     heads = DraftHeads.initial(loaded.model, root_width=16)
     engine = Engine(loaded, heads, compile=True)
@@ -79,6 +79,9 @@ def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_lev
     assert graphs == ["the root head"] + [f"the {n}-token graph" for n in (1, 2, 3, 4)]
     eager = Engine(loaded, heads).options
     assert (eager.tree_budget, eager.min_draft_score) == (4, 0.0) and eager.draft_depth >= eager.tree_budget
+    heads.root_chain = 3  # a chained root head drafts its levels, still without the heads
+    chained = Engine(loaded, heads, compile=True)
+    assert chained.options.draft_depth == 3 and chained.chained_drafting and not chained.graph_heads
 
 
 def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: Path) -> None:
@@ -90,14 +93,15 @@ def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: 
     engine = Engine(loaded, heads, TokenSwiftOptions(tree_budget=2, min_draft_score=0.0), compile=True)
     assert engine.root_drafting and not engine.graph_heads  # a 2-node tree drafts from the root head alone
     engine.runner.sizes = (1, 2)
-    assert engine.runner.root_logits(torch.zeros(1, model.cfg.hidden_size), torch.tensor([1])) is None  # not compiled
+    assert engine.runner.root_step(torch.zeros(1, model.cfg.hidden_size), torch.tensor([1])) is None  # not compiled
     engine.warm_up()
     assert engine.runner.root_ready and engine.runner.ready == {1, 2}
     h, roots = torch.randn(1, model.cfg.hidden_size), torch.tensor([7])
     with torch.inference_mode():
-        compiled = engine.runner.root_logits(h, roots)
-        assert compiled is not None and compiled.shape == (1, len(heads.root_ids))
-        assert torch.allclose(compiled, heads.root_logits(h, roots, model), atol=1e-4, rtol=1e-4)
+        compiled = engine.runner.root_step(h, roots)
+        assert compiled is not None and compiled[1].shape == (1, len(heads.root_ids))
+        for got, want in zip(compiled, heads.root_step(h, roots, model)):
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     calls = []
     graph = engine.runner._root_fn
     engine.runner._root_fn = lambda *a: calls.append(1) or graph(*a)

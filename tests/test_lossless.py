@@ -76,42 +76,72 @@ def test_real_model_is_lossless(smol_engine, smol_heads, vanilla, preset: str) -
     assert accepted > 0, "no draft was ever accepted: the tree was not exercised"
 
 
-def peaky_tiny_engine(tmp_path: Path, arch: str, mode: str, kv_budget: int) -> Engine:
+def peaky_tiny_engine(tmp_path: Path, arch: str, mode: str, kv_budget: int, root_chain: int = 1) -> Engine:
     # A small vocabulary and a larger init scale make the random model's distributions peaked and its text loop,
     # so drafts (n-gram chains especially) are sometimes right.
     folder = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=3, initializer_range=0.3, vocab_size=512)
     loaded = load_model(str(folder), device="cpu")
     heads = DraftHeads.initial(loaded.model, root_width=32)
+    heads.root_chain = root_chain
     torch.manual_seed(4)
     for proj in [*heads.proj, heads.root.up, heads.root.down]:
         torch.nn.init.normal_(proj.weight, std=0.02)
     return Engine(loaded, heads, TokenSwiftOptions(draft_mode=mode, kv_budget=kv_budget, tree_budget=10))
 
 
+def accepted_in_every_setting(engine: Engine) -> int:
+    """Drafts accepted over 300 tokens of a random prompt in each setting, every run checked against vanilla."""
+    ids = torch.randint(512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    accepted = 0
+    for preset in SETTINGS:
+        config = GenerationConfig(max_new_tokens=300, sampling=PRESETS[preset].with_(seed=5), ignore_eos=True)
+        _, ts = assert_lossless(engine, ids, config)
+        accepted += sum(s.accepted for s in ts.steps)
+    return accepted
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_models_with_random_heads_are_lossless(tmp_path: Path, arch: str, mode: str) -> None:
     engine = peaky_tiny_engine(tmp_path, arch, mode, kv_budget=40)
-    ids = torch.randint(512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    total_accepted = 0
-    for preset in SETTINGS:
-        config = GenerationConfig(max_new_tokens=300, sampling=PRESETS[preset].with_(seed=5), ignore_eos=True)
-        ar, ts = assert_lossless(engine, ids, config)
-        total_accepted += sum(s.accepted for s in ts.steps)
-    assert total_accepted > 0, "the tree was never exercised"
+    assert accepted_in_every_setting(engine) > 0, "the tree was never exercised"
+
+
+def test_a_chained_root_head_drafting_every_level_is_lossless(tmp_path: Path, monkeypatch) -> None:
+    """The root head reads its own state back for the levels below the first (DraftHeads.root_step); the heads
+    draft nothing then, and the forward does not compute them."""
+    from core import tokenswift
+    from core.tree import HEADS
+
+    engine = peaky_tiny_engine(tmp_path, "llama", "fused", kv_budget=40, root_chain=3)
+    assert engine.chained_drafting and not engine.graph_heads
+    depths: list[int] = []  # the deepest node the model's drafters proposed, per tree
+    draft_tree = tokenswift.draft_tree
+
+    def spy(*args, **kwargs):
+        tree, proposed = draft_tree(*args, **kwargs)
+        depths.append(max([d for d, src in zip(tree.depths, tree.sources) if src & HEADS], default=0))
+        return tree, proposed
+
+    monkeypatch.setattr(tokenswift, "draft_tree", spy)
+    monkeypatch.setattr(engine.heads, "logits", lambda *a: pytest.fail("the heads drafted: the chain did not"))
+    assert accepted_in_every_setting(engine) > 0, "the tree was never exercised"
+    assert max(depths) == 3, "the chain never drafted its third level"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["greedy", "studio"])
-def test_n_gram_chains_below_the_root_heads_draft_are_lossless(smol_engine, smol_heads, vanilla, preset: str) -> None:
-    """The compiled CPU's trees (run eagerly here): the root head drafts the first level, n-gram chains go deeper,
-    every node gated by its calibrated chance. Greedy text loops within a few hundred tokens, so chains get long."""
-    engine = Engine(smol_engine.loaded, smol_heads, TokenSwiftOptions(tree_budget=4, draft_depth=1,
+def test_the_compiled_cpus_gated_trees_are_lossless(smol_engine, smol_heads, vanilla, preset: str) -> None:
+    """The compiled CPU's trees (run eagerly here): the chained root head drafts the first levels, n-gram chains go
+    deeper, every node gated by its calibrated chance. Greedy text loops within a few hundred tokens, so chains get
+    long."""
+    chain = smol_heads.root_chain if smol_heads is not None else 1
+    engine = Engine(smol_engine.loaded, smol_heads, TokenSwiftOptions(tree_budget=4, draft_depth=chain,
                                                                       min_draft_score=0.25))
     ids, config, ar = vanilla(preset, 0)
     ts = check_against(engine, ids, config, ar)
-    chains = [s for s in ts.steps if s.accepted >= 2]
-    assert all(s.from_ngram >= s.accepted - 1 for s in chains)  # only the first level is the heads'
+    if chain > 1:
+        assert any(s.from_heads >= 2 for s in ts.steps), "no chained draft below the first level was accepted"
     if preset == "greedy":
         assert sum(s.accepted == 3 for s in ts.steps) > 10, "chains below the first level were never accepted"
 

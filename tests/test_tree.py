@@ -44,6 +44,19 @@ def test_budget_keeps_the_best_prefix_closed_nodes() -> None:
         assert 0 <= tree.parents[i] < i
 
 
+def test_a_chain_hangs_each_level_under_the_top_drafts_above_it() -> None:
+    b = TreeBuilder(root=0)
+    b.add_chain([[(1, 0.6), (2, 0.3)], [(3, 0.5), (4, 0.4)], [(5, 0.9)]])
+    tree = b.build(budget=100)
+    paths = {tuple(tree.path_tokens(i)): b.scores[i] for i in range(1, len(b.tokens))}
+    # the second level knew only that the first was 1: nothing hangs under 2
+    assert set(paths) == {(1,), (2,), (1, 3), (1, 4), (1, 3, 5)}
+    assert abs(paths[(1, 4)] - 0.24) < 1e-9 and abs(paths[(1, 3, 5)] - 0.27) < 1e-9
+    empty = TreeBuilder(root=0)
+    empty.add_chain([[(1, 0.5)], [], [(9, 0.9)]])  # a level that proposes nothing ends the chain
+    assert empty.tokens == [0, 1]
+
+
 def test_child_estimate_never_exceeds_parent() -> None:
     b = TreeBuilder(root=0)
     b.add([1, 2], [0.1, 0.9], NGRAM)  # a chain whose tail claims more than its head
