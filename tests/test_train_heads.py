@@ -14,14 +14,21 @@ from core.train_heads import penalty_windows, read_samples
 from tests.conftest import make_tiny_checkpoint
 
 
-def test_pipeline_trains_heads_and_root_head_and_resumes(tmp_path: Path) -> None:
+def tiny_pipeline(tmp_path: Path, steps: int) -> tuple[Path, Path, Path, list[str]]:
+    """A tiny random model, ten prompts, and train-heads arguments for them: (model folder, heads file, data dir,
+    arguments)."""
     folder = make_tiny_checkpoint(tmp_path / "m", seed=0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write story {i}."}) + "\n" for i in range(10)))
     out, data = tmp_path / "h.safetensors", tmp_path / "data"
     args = ["train-heads", "--model", str(folder), "--prompts", str(prompts), "--data-dir", str(data), "--out", str(out),
-            "--gen-tokens", "24", "--steps", "20", "--batch-tokens", "64", "--warmup", "5", "--head-vocab", "64",
+            "--gen-tokens", "24", "--steps", str(steps), "--batch-tokens", "64", "--warmup", "5", "--head-vocab", "64",
             "--root-width", "32", "--root-vocab", "16"]
+    return folder, out, data, args
+
+
+def test_pipeline_trains_heads_and_root_head_and_resumes(tmp_path: Path) -> None:
+    folder, out, data, args = tiny_pipeline(tmp_path, steps=20)
     assert main([*args, "--root-steps", "20"]) == 0
     hidden = torch.load(data / "hidden.pt")
     y = hidden["train"]["y"]
@@ -54,3 +61,27 @@ def test_penalty_windows_stay_inside_each_text() -> None:
     windows = penalty_windows(y0, torch.tensor([0, 2, 4, 5]), 3)
     # newest first; a row nearer its text's start than the width repeats its own token (the penalty counts ids once)
     assert windows.tolist() == [[5, 5, 5], [7, 6, 5], [8, 8, 8], [9, 8, 9]]
+
+
+def test_chain_stage_teaches_the_root_head_to_draft_deeper(tmp_path: Path) -> None:
+    folder, out, data, args = tiny_pipeline(tmp_path, steps=10)
+    args += ["--root-steps", "10", "--max-samples", "8", "--gen-batch", "4", "--root-chain", "3", "--chain-steps", "40",
+             "--chain-lr", "0.01"]
+    assert main(args) == 0
+    assert len(read_samples(data)) == 8  # --max-samples: the shortest prompts' samples only
+    model = load_model(str(folder)).model
+    heads = load_heads(out, model)
+    assert heads.root_chain == 3 and heads.meta["chain_steps"] == "40"
+    history = torch.load(data / "chain_checkpoint.pt")["history"]
+    first, last = (torch.tensor([row[1:] for row in rows]).mean(0) for rows in (history[:5], history[-5:]))
+    assert bool((last < first).all()), f"every level's loss should fall: {first} -> {last}"
+    card = json.loads(out.with_suffix(".json").read_text())
+    chain = card["root_chain"]
+    assert chain["levels"] == 3 and chain["steps"] == 40 and "--root-chain 3" in chain["command"]
+    held = chain["held_out (studio sampler)"]
+    assert len(held["drawn"]) == 3 and len(held["given_drawn_above"]) == 3 and 0.0 <= held["accepted"] <= 3.0
+    # a step gives the state the next level reads back, and the logits root_logits gives
+    h, roots = torch.randn(2, model.cfg.hidden_size), torch.tensor([3, 4])
+    state, logits = heads.root_step(h, roots, model)
+    assert state.shape == h.shape and logits.shape == (2, len(heads.root_ids))
+    assert torch.equal(logits, heads.root_logits(h, roots, model))
