@@ -256,10 +256,16 @@ def root_loss(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, remap: t
     valid = root_rows(y)
     if not valid.any():
         return logits.sum()[None] * 0.0
+    return distilled_ce(logits[valid], model, h_next[valid], heads.root_ids, temperature)[None]
+
+
+def distilled_ce(logits: torch.Tensor, model: Any, h_next: torch.Tensor, ids: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+    """Mean cross-entropy of a head's logits over `ids` against the model's own distribution at `temperature`,
+    read from its hidden states `h_next` at the positions whose next token the head predicts."""
     with torch.no_grad():
-        target = (model_logits(model, h_next[valid], heads.root_ids) / temperature).softmax(-1)
-    log_q = (logits[valid] / temperature).log_softmax(-1)
-    return -(target * log_q).sum(-1).mean()[None]
+        target = (model_logits(model, h_next, ids) / temperature).softmax(-1)
+    return -(target * (logits / temperature).log_softmax(-1)).sum(-1).mean()
 
 
 def root_rows(y: torch.Tensor) -> torch.Tensor:
@@ -409,9 +415,7 @@ def chain_losses(heads: Any, model: Any, h_all: torch.Tensor, y_all: torch.Tenso
             out.append(logits.sum() * 0.0)
             continue
         target_h = h_all[(idx + 1 + d).clamp(max=last)].float()[valid]
-        with torch.no_grad():
-            target = (model_logits(model, target_h, heads.root_ids) / temperature).softmax(-1)
-        ce = -(target * (logits[valid] / temperature).log_softmax(-1)).sum(-1).mean()
+        ce = distilled_ce(logits[valid], model, target_h, heads.root_ids, temperature)
         out.append(ce + feature_weight * F.smooth_l1_loss(state[valid], target_h))
     return torch.stack(out)
 
@@ -423,6 +427,8 @@ def stage_chain(args: argparse.Namespace, data: Path) -> None:
 
     if args.root_chain <= 1:
         return
+    if args.distill_temperature <= 0:
+        raise ValueError("the chain stage distils every level from the model: --distill-temperature must be > 0")
     tensors, model, out, heads = trained_so_far(args, data)
     h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
     if heads.root is None:
