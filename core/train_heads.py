@@ -134,7 +134,10 @@ def stage_data(args: argparse.Namespace, data: Path) -> None:
             with torch.inference_mode():
                 gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.gen_tokens,
                                      do_sample=True, top_p=1.0, top_k=0, repetition_penalty=s.penalty,
-                                     suppress_tokens=special, pad_token_id=pad, logits_processor=[warp])
+                                     suppress_tokens=special, pad_token_id=pad, logits_processor=[warp],
+                                     # preallocated: the default cache concatenates every layer's keys and values
+                                     # at each step, which halved this CPU's batched throughput at 1024 tokens
+                                     cache_implementation="static")
             for (key, pid, prompt_ids, _), row in zip(batch, gen[:, width:].tolist()):
                 f.write(json.dumps({"key": key, "prompt_id": pid, "prompt": prompt_ids, "output": row}) + "\n")
             f.flush()
