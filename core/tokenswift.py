@@ -79,8 +79,8 @@ def default_tree_budget(device: torch.device, compiled: bool) -> int:
     On a CPU every extra verified token costs (compiled, 2 tokens ~1.15x one and 4 ~1.4x), so the compiled CPU's
     trees are gated (default_min_draft_score) and drafted by the root head's levels only (see default_draft_depth):
     most steps verify 1-2 tokens, and a loop the n-gram table knows verifies 4 (greedy 2.15-2.35x `ar` to 8000
-    tokens against 1.52-1.63x with at most 2 nodes; studio 1.24x / 1.25x `ar` at 1024 / 4096 tokens with the
-    chained root head, 1.14x / 1.04x with at most 2 nodes; Zen 3). Eagerly, 4 nodes with every draft verified (the
+    tokens against 1.52-1.63x with at most 2 nodes; studio 1.21-1.24x / 1.19-1.25x `ar` at 1024 / 4096 tokens
+    with the chained root head, 1.14x / 1.04x with at most 2 nodes; Zen 3). Eagerly, 4 nodes with every draft verified (the
     sweep's best before the root head; now studio 1.15x `ar` at 1.62 tokens per step). On a GPU verifying tens of tokens costs about one
     step, so a larger tree is nearly free (not measured here: no GPU).
     """
