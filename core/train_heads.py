@@ -271,10 +271,10 @@ def distilled_ce(logits: torch.Tensor, model: Any, h_next: torch.Tensor, ids: to
     return -(target * (logits / temperature).log_softmax(-1)).sum(-1).mean()
 
 
-def root_rows(y: torch.Tensor) -> torch.Tensor:
-    """Mask of the rows the root head learns from: both tokens t+1 (its input) and t+2 (its target) exist, so the
-    next row is the same text's position t+1."""
-    return (y[:, 0] >= 0) & (y[:, 1] >= 0)
+def root_rows(y: torch.Tensor, levels: int = 1) -> torch.Tensor:
+    """Mask of the rows a root head chained over `levels` learns from: tokens t+1 (its first input) to t+1+levels
+    (its last target) all exist, so the next `levels` rows are the same text's positions t+1, t+2, ..."""
+    return (y[:, :levels + 1] >= 0).all(1)
 
 
 def model_logits(model: Any, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -412,7 +412,7 @@ def chain_losses(heads: Any, model: Any, h_all: torch.Tensor, y_all: torch.Tenso
     state = h_all[idx].float()
     out = []
     for d in range(levels):
-        valid = (y[:, :d + 2] >= 0).all(1)  # tokens t+1 .. t+2+d exist: rows idx .. idx+1+d are one text's
+        valid = root_rows(y, d + 1)
         state, logits = heads.root_step(state, y[:, d].clamp(min=0), model)
         if not valid.any():
             out.append(logits.sum() * 0.0)
@@ -441,7 +441,7 @@ def stage_chain(args: argparse.Namespace, data: Path) -> None:
     step = optimise(heads.root, lambda idx: chain_losses(heads, model, h_all, y_all, idx, args.root_chain,
                                                          args.distill_temperature, args.chain_feature_weight),
                     len(h_all), data / "chain_checkpoint.pt", args.chain_steps, settings, "chaining root head")
-    heads.meta = {**heads.meta, "chain_steps": step, "chain_train_tokens": int((y_all[:, :2] >= 0).all(1).sum())}
+    heads.meta = {**heads.meta, "chain_steps": step, "chain_train_tokens": int(root_rows(y_all).sum())}
     save_heads(heads, out, model, args.model, heads.meta)
     write_card_section(out, "root_chain", chain_card(args, data, heads, model, tensors))
 
@@ -458,7 +458,7 @@ def chain_card(args: argparse.Namespace, data: Path, heads: Any, model: Any, ten
                         "for each level after the first; fine-tuned from the root stage's head, all levels at once",
         "data": {"samples": len(samples), "generated_tokens": sum(len(s["output"]) for s in samples),
                  "train_positions": int(heads.meta.get("chain_train_tokens", 0)) or None,
-                 "eval_positions": int((y_eval[:, :heads.root_chain + 1] >= 0).all(1).sum()),
+                 "eval_positions": int(root_rows(y_eval, heads.root_chain).sum()),
                  # the samples the data stage writes first (shortest prompts first), then the hidden stage
                  "command": f"python -m core train-heads --model {args.model} --stage data --gen-tokens "
                             f"{args.gen_tokens} --samples-per-prompt {per_prompt} --max-samples {len(samples)}"},
@@ -546,7 +546,7 @@ def chain_drawn_rates(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, 
     from the model's logits for that token (penalty over the text's tokens before it, temperature, filters) with
     that noise. The draw for row i's level d is at row i + d's position, with the noise for that position."""
     sampler = Sampler(settings, model.cfg.vocab_size)
-    rows = torch.nonzero((y[:, :levels + 1] >= 0).all(1)).squeeze(1)
+    rows = torch.nonzero(root_rows(y, levels)).squeeze(1)
     hits = []
     for c in range(0, len(rows), 1024):
         r = rows[c:c + 1024]
