@@ -94,7 +94,7 @@ class Engine:
         variant needs them)."""
         if self.heads is None:
             return False
-        return not (self.root_drafting and (self.draft_levels <= 1 or self.heads.root_chain > 1))
+        return not (self.chained_drafting or (self.root_drafting and self.draft_levels <= 1))
 
     @property
     def draft_levels(self) -> int:
