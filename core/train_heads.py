@@ -436,6 +436,9 @@ def stage_chain(args: argparse.Namespace, data: Path) -> None:
     h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
     if heads.root is None:
         raise RuntimeError(f"{out} has no root head to chain: run the root stage with --root-width first")
+    if args.root_chain > y_all.shape[1]:  # each level's target is one of the tokens the hidden stage stores
+        raise ValueError(f"--root-chain must be at most {y_all.shape[1]}: the hidden stage keeps the "
+                         f"{y_all.shape[1]} tokens after each position")
     heads.root_chain = args.root_chain
     settings = argparse.Namespace(**{**vars(args), "lr": args.chain_lr})
     step = optimise(heads.root, lambda idx: chain_losses(heads, model, h_all, y_all, idx, args.root_chain,

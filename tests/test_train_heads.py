@@ -82,6 +82,7 @@ def test_chain_stage_teaches_the_root_head_to_draft_deeper(tmp_path: Path) -> No
     assert len(held["drawn"]) == 3 and len(held["given_drawn_above"]) == 3 and 0.0 <= held["accepted"] <= 3.0
     # every level is distilled from the model: a temperature of 0 (train on the sampled token) is refused, not NaN
     assert main([*args, "--stage", "chain", "--distill-temperature", "0"]) == 2
+    assert main([*args, "--stage", "chain", "--root-chain", "5"]) == 2  # deeper than the stored tokens: refused
     # a step gives the state the next level reads back, and the logits root_logits gives
     h, roots = torch.randn(2, model.cfg.hidden_size), torch.tensor([3, 4])
     state, logits = heads.root_step(h, roots, model)
