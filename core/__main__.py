@@ -33,8 +33,9 @@ def add_tokenswift_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=None,
                    help="tree nodes verified at most per step (default: 4 on a CPU, 16 on CUDA)")
     p.add_argument("--draft-depth", type=int, default=None,
-                   help="tree levels the model's heads draft; deeper ones come from n-gram chains (default: 1 on a "
-                        "CPU with --compile, else every level)")
+                   help="tree levels the model's drafters fill; deeper ones come from n-gram chains (default on a "
+                        "CPU with --compile: the root head's levels, plus the backbone's in separate mode; else every "
+                        "level)")
     p.add_argument("--kv-budget", type=int, default=None, help="partial KV cache size for the separate draft pass")
     p.add_argument("--ngram-lag", type=int, default=None, help="leave the last N tokens out of the n-gram table")
     p.add_argument("--ngram-topk", type=int, default=None,

@@ -10,7 +10,7 @@ prompt_lookup_num_tokens=10), `ar` (our vanilla decoding), `tokenswift` (the eng
 that differ in one thing (VARIANTS): each draft mode explicitly, the ablations without the n-gram table, without
 the heads, or without the root head, one that verifies every draft however unlikely, one that gates drafts on
 their raw scores (the CPU default before calibration), and one with the compiled CPU's tree (2 nodes, drafts gated
-at 0.25), to try it where other defaults apply (an eager run).
+at 0.25), to try it where other defaults apply (an eager run); larger trees, in either draft mode.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-tree3": {"tree_budget": 3, "draft_depth": 3},
     "tokenswift-tree4": {"tree_budget": 4, "draft_depth": 4},
     "tokenswift-tree16": {"tree_budget": 16, "draft_depth": 16, "min_draft_score": 0.0},  # the CUDA defaults
+    "tokenswift-separate-tree16": {"draft_mode": "separate", "tree_budget": 16, "draft_depth": 16,
+                                   "min_draft_score": 0.0},
 }
 METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
 ROOT = Path(__file__).resolve().parent.parent

@@ -45,7 +45,8 @@ class Engine:
             options = replace(options, min_draft_score=default_min_draft_score(self.model.device, compile))
         if options.draft_depth is None:
             chain = heads.root_chain if heads is not None and heads.root is not None else 1
-            options = replace(options, draft_depth=default_draft_depth(self.model.device, compile, chain))
+            levels = chain + (1 if options.draft_mode == "separate" else 0)  # the backbone drafts level 1 there
+            options = replace(options, draft_depth=default_draft_depth(self.model.device, compile, levels))
         self.options = options
         self.runner = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
@@ -77,24 +78,37 @@ class Engine:
 
     @property
     def root_drafting(self) -> bool:
-        """Whether the root head drafts the first token (fused mode, heads with a root head)."""
-        opt = self.options
-        return opt.draft_mode == "fused" and opt.root_head and self.heads is not None and self.heads.root is not None
+        """Whether the root head drafts: in fused mode the first token after the root, in separate mode the one
+        after the backbone's draft (heads with a root head, not switched off)."""
+        return self.options.root_head and self.heads is not None and self.heads.root is not None
+
+    @property
+    def backbone_levels(self) -> int:
+        """Tree levels the draft pass's backbone logits fill: the first, in separate mode."""
+        return 1 if self.options.draft_mode == "separate" else 0
+
+    @property
+    def root_levels(self) -> int:
+        """Tree levels the root head drafts, below the backbone's: as many as it chains, within draft_levels."""
+        if not self.root_drafting:
+            return 0
+        assert self.heads is not None
+        return max(0, min(self.heads.root_chain, self.draft_levels - self.backbone_levels))
 
     @property
     def chained_drafting(self) -> bool:
         """Whether the root head drafts more than one level, reading its own state back (DraftHeads.root_step)."""
-        return self.root_drafting and self.heads.root_chain > 1 and self.draft_levels > 1
+        return self.root_levels > 1
 
     @property
     def graph_heads(self) -> bool:
-        """Whether the compiled forward computes the heads' logits for every row. Not when the root head drafts
-        every level the model drafts (a 2-node tree, a draft depth of 1, or a chained root head): reading the heads'
-        lm_head rows would cost ~3% of a CPU step for nothing (drafting computes them from the hidden state if a
-        variant needs them)."""
-        if self.heads is None:
+        """Whether the compiled forward computes the heads' logits for every row. Not when the backbone and the root
+        head draft every level the model drafts (a 2-node tree, a draft depth of 1, or a chained root head, which
+        leaves the heads no level: draft_candidates): reading the heads' lm_head rows would cost ~3% of a CPU step
+        for nothing (drafting computes them from the hidden state if a variant needs them)."""
+        if self.heads is None or self.chained_drafting:
             return False
-        return not (self.chained_drafting or (self.root_drafting and self.draft_levels <= 1))
+        return self.draft_levels > self.backbone_levels + self.root_levels
 
     @property
     def draft_levels(self) -> int:

@@ -4,9 +4,10 @@ Each step:
 1. **Draft.** `fused` (default): the heads read the hidden state of the last accepted node from the previous
    verification, and the root head reads it with the root itself, so a step costs one forward. `separate` (the
    paper's): a one-token forward of the root over the partial KV cache gives the backbone's next-token top-1 and,
-   through the heads, the tokens after it. Drafts for a position are ranked by the drafter's logits, processed as
-   the sampler processes the model's (Sampler.draft_scores), plus the Gumbel noise the sampler will add at that
-   position (it depends only on the seed and the position, so it is known now).
+   through the root head (reading the root's state with that draft) or the heads, the tokens after it. Drafts for
+   a position are ranked by the drafter's logits, processed as the sampler processes the model's
+   (Sampler.draft_scores), plus the Gumbel noise the sampler will add at that position (it depends only on the
+   seed and the position, so it is known now).
 2. **Reuse.** The n-gram table proposes continuations keyed by the root and by the first draft token.
 3. **Tree.** All drafts merge into one trie under a node budget (core/tree.py).
 4. **Verify.** One forward of the whole tree over the full cache with a tree mask. Then walk from the root: at each
@@ -87,12 +88,13 @@ def default_tree_budget(device: torch.device, compiled: bool) -> int:
     return 16 if device.type == "cuda" else 4
 
 
-def default_draft_depth(device: torch.device, compiled: bool, root_chain: int = 1) -> int:
-    """Tree levels the model's drafters fill: on a compiled CPU the root head's levels only (`root_chain`: more
-    than one if it is chained), deeper nodes come from n-gram chains (heads 2 and 3 are right 10% and 8% of the
-    time and would put their logits into every forward, ~3% of a step; a chained root head's deeper drafts are
-    right about a third of the time and cost ~0.5 ms a level); elsewhere every level."""
-    return root_chain if device.type == "cpu" and compiled else MAX_TREE
+def default_draft_depth(device: torch.device, compiled: bool, levels: int = 1) -> int:
+    """Tree levels the model's drafters fill: on a compiled CPU the `levels` of its cheap drafters only (the root
+    head's, more than one if it is chained, below the backbone's draft in separate mode); deeper nodes come from
+    n-gram chains (heads 2 and 3 are right 10% and 8% of the time and would put their logits into every forward, ~3%
+    of a step; a chained root head's deeper drafts are right about a third of the time and cost ~0.5 ms a level);
+    elsewhere every level."""
+    return levels if device.type == "cpu" and compiled else MAX_TREE
 
 
 def default_min_draft_score(device: torch.device, compiled: bool) -> float:
@@ -146,7 +148,8 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
     (separate mode), the root head and the heads, each ranked as the sampler will draw there (heads.candidates).
 
     `h_last` is the hidden state the heads read (fused mode: the position before the root, head k predicts the k-th
-    token after the root, and the root head reads it with the root; separate mode: the root, one further);
+    token after the root, and the root head reads it with the root; separate mode: the root, everything one
+    further, and the root head reads it with the backbone's top draft);
     `head_logits` [n_heads, V'] their predictions if the forward computed them (None: computed here if needed);
     `backbone` the draft pass's next-token logits (separate mode only). A chained root head stops where the path
     of its top drafts is less likely than the draft gate (by `calibrator`'s chances, if given): no node below could
@@ -170,10 +173,16 @@ def draft_candidates(engine: "Engine", gen: "Generation", head_logits: Tensor | 
     if heads is None or h_last is None:
         return candidates
     if engine.root_drafting:
-        # the root head predicts head 1's token knowing the root: nearly twice as often right. A chained one then
-        # reads its own state back with its top draft, a level deeper each time (heads.root_step)
+        # the root head predicts head 1's token knowing the token before it: nearly twice as often right. A chained
+        # one then reads its own state back with its top draft, a level deeper each time (heads.root_step). In fused
+        # mode it reads the state before the root with the root; in separate mode the root's own state (the draft
+        # pass's) with the backbone's top draft, so it drafts from the second level on
         state, token, chance = h_last[None], root, 1.0
-        for level in range(min(depth, heads.root_chain)):
+        if candidates:
+            token, top = candidates[0][0]
+            chance = calibrator.chance(top, HEADS, 1) if calibrator is not None else top
+        first = len(candidates)
+        for level in range(first, min(depth, first + heads.root_chain)):
             if chance < (opt.min_draft_score or 0.0):
                 break
             state, logits = engine.root_step(state, torch.tensor([token], device=device))

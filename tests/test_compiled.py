@@ -82,6 +82,11 @@ def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_lev
     heads.root_chain = 3  # a chained root head drafts its levels, still without the heads
     chained = Engine(loaded, heads, compile=True)
     assert chained.options.draft_depth == 3 and chained.chained_drafting and not chained.graph_heads
+    # in separate mode the draft pass's backbone drafts the first level and the chain the levels below it, as
+    # many as the 4-node tree holds
+    separate = Engine(loaded, heads, TokenSwiftOptions(draft_mode="separate"), compile=True)
+    assert separate.options.draft_depth == 4 and (separate.backbone_levels, separate.root_levels) == (1, 2)
+    assert separate.chained_drafting and not separate.graph_heads
 
 
 def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: Path) -> None:
