@@ -157,6 +157,24 @@ def test_the_compiled_cpus_gated_trees_are_lossless(smol_engine, smol_heads, van
         assert sum(s.accepted == 3 for s in ts.steps) > 10, "chains below the first level were never accepted"
 
 
+@pytest.mark.slow
+def test_the_papers_draft_pass_meets_the_heads_target(smol_engine, smol_heads, vanilla) -> None:
+    """The drafting heads' target (issue 4): >= 2.5 tokens per verification step with the studio settings, the bonus
+    token included, at 1024 tokens. Measured there with the paper's draft pass and the 16-node tree (README: 2.92 over
+    8 prompts); these 320-token texts verify 2.71-2.74 per step on this CPU, and acceptance grows with length, so
+    the target's own bound holds here too. It fails with heads 1-3 below the backbone instead of the chained root
+    head (2.39-2.50, mean 2.43)."""
+    if smol_heads is None:
+        pytest.skip("no committed heads")
+    engine = Engine(smol_engine.loaded, smol_heads, TokenSwiftOptions(draft_mode="separate", tree_budget=16))
+    per_step = []
+    for p in range(len(PROMPTS)):
+        ids, config, ar = vanilla("studio", p)
+        ts = check_against(engine, ids, config, ar)
+        per_step.append(ts.n_tokens / len(ts.steps))
+    assert sum(per_step) / len(per_step) >= 2.5, per_step
+
+
 def test_partial_cache_refreshes_many_times_and_stays_lossless(tmp_path: Path) -> None:
     engine = peaky_tiny_engine(tmp_path, "llama", "separate", kv_budget=24)
     ids = torch.randint(512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
