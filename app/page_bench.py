@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from playwright.sync_api import sync_playwright
 
-    from core.bench import hardware
+    from core.tools.hardware import hardware
 
     with tempfile.TemporaryDirectory(prefix="page-bench-") as tmp, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS) if "on" in args.pages else None

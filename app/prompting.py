@@ -1,8 +1,8 @@
 """Chapter prompts: premise + chapter instructions + as much of the text before it as the model's context allows.
 
 Owns the wording the model sees for chapter runs and the token budget arithmetic. The prompt is the user message;
-the chat template is applied when it is encoded (core.text.encode_prompt), and the prompt's tokens are counted
-that way, so the budget is exact. When the earlier text does not fit, the oldest part goes: the model needs the
+the chat template is applied when it is encoded (core.generation.text.encode_prompt), and the prompt's tokens are
+counted that way, so the budget is exact. When the earlier text does not fit, the oldest part goes: the model needs the
 last scenes far more than the first ones, and the premise and instructions carry the long-range plan.
 
 No torch here: a tokenizer (anything with ``__call__`` / ``decode`` and, optionally, a chat template) is enough.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from core.text import encode_prompt
+from core.generation.text import encode_prompt
 
 PROMPT_MARGIN = 64  # tokens kept free besides the prompt and the output (TokenSwift's verification block, slack)
 TRIM_MARKER = "[… earlier text left out …] "

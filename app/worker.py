@@ -43,13 +43,13 @@ from typing import TYPE_CHECKING, Any
 import storage as st
 from app.jobs import resume_chain, user_settings, validate_settings
 from app.prompting import build_chapter_prompt, prompt_budget
-from core.metrics import REPETITION_WINDOW, RepetitionTracker
+from core.generation.metrics import REPETITION_WINDOW, RepetitionTracker
 
 if TYPE_CHECKING:
     import torch
 
-    from core.decoding import GenerationConfig
     from core.engine import Engine
+    from core.generation.decoding import GenerationConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ HEARTBEAT_S = 5.0
 STATE_REFRESH_S = 10.0  # the worker-state row's timestamp is at most about this old while the worker lives
 STALE_AFTER_S = 60.0  # another worker's run without a heartbeat for this long is taken as abandoned
 SWEEP_S = 30.0
-DEFAULT_MODEL = "smollm2-135m"  # core.loading.DEFAULT_MODEL (not imported: importing core.loading loads torch)
-# core/tokenswift.py's notice, added up front so the UI can say it before the first TokenSwift run.
+DEFAULT_MODEL = "smollm2-135m"  # core.runtime.loading.DEFAULT_MODEL (not imported: importing it loads torch)
+# core/tokenswift/step.py's notice, added up front so the UI can say it before the first TokenSwift run.
 NO_HEADS_NOTICE = "no trained drafting heads for this model: TokenSwift drafts from n-grams only"
 
 
@@ -295,11 +295,10 @@ class Worker:
 
     def _new_engine(self, compile: bool) -> Engine:
         from core.engine import Engine
-        from core.tokenswift import warn_once
 
         engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=compile)
         if engine.heads is None:
-            warn_once(engine, NO_HEADS_NOTICE)
+            engine.notice(NO_HEADS_NOTICE)
         return engine
 
     def _load(self) -> Engine:
@@ -327,8 +326,8 @@ class Worker:
             except Exception as e:
                 log.exception("worker %s: compiling failed; runs stay eager", self.worker_id)
                 self._compiling = None
-                self.engine.notices.append(f"the model's graphs did not compile ({describe_load_error(e)}): "
-                                           "runs are decoded eagerly")
+                self.engine.notice(f"the model's graphs did not compile ({describe_load_error(e)}): "
+                                   "runs are decoded eagerly")
                 self._set_state("ready", self._message("Idle."))
 
     def _compile_steps(self) -> Iterator[None]:
@@ -430,7 +429,7 @@ class Worker:
         # A resume must see exactly the prompt the first run saw; app.jobs copies it, storage callers may not.
         prompt = run.prompt or (chain[0].prompt if chain else None) or self._chapter_prompt(run, settings)
         try:
-            from core.text import encode_prompt
+            from core.generation.text import encode_prompt
 
             prompt_ids = encode_prompt(engine.tokenizer, prompt)
         except ValueError as e:
@@ -588,8 +587,8 @@ def describe_load_error(e: BaseException) -> str:
 
 def generation_config(settings: dict[str, Any], method: str) -> GenerationConfig:
     """core's GenerationConfig for normalized settings (app.jobs.validate_settings), validated by core."""
-    from core.decoding import GenerationConfig
-    from core.sampling import SamplingSettings
+    from core.generation.decoding import GenerationConfig
+    from core.generation.sampling import SamplingSettings
 
     sampling = SamplingSettings.from_dict(settings)
     return GenerationConfig(max_new_tokens=settings["max_new_tokens"], method=method, sampling=sampling,

@@ -95,7 +95,3 @@ class ChunkDriver:
         finally:
             self._lock.release()
 
-
-def make_driver(worker_factory: Callable[[], Any]) -> ChunkDriver | None:
-    """A ``ChunkDriver`` on ZeroGPU, None elsewhere (the background worker thread does the work there)."""
-    return ChunkDriver(worker_factory) if enabled() else None

@@ -27,7 +27,7 @@ def make_tiny_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **ove
     """Write a small random model of `arch` (llama, qwen2, mistral) with the default model's tokenizer."""
     import transformers
 
-    from core.loading import DEFAULT_MODEL, load_tokenizer, resolve
+    from core.runtime.loading import DEFAULT_MODEL, load_tokenizer, resolve
 
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "mistral": transformers.MistralConfig}
@@ -43,6 +43,15 @@ def make_tiny_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **ove
     smol_folder, _ = resolve(DEFAULT_MODEL)
     load_tokenizer(smol_folder).save_pretrained(folder)
     return folder
+
+
+def path_tokens(tree, node: int) -> list[int]:
+    """Tokens of a candidate tree (core/tokenswift/tree.py) from the root's child down to `node`, root excluded."""
+    out: list[int] = []
+    while node > 0:
+        out.append(tree.tokens[node])
+        node = tree.parents[node]
+    return out[::-1]
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import torch
 
-from core.decoding import GenerationConfig, Result
 from core.engine import Engine
-from core.sampling import Sampler
+from core.generation.decoding import GenerationConfig, Result
+from core.generation.sampling import Sampler
 
 NEAR_TIE = 1e-4
 

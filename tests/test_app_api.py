@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import studio_server
 
 from app.studio_process import stop_server
+from conftest import studio_server
 
 
 def wait_for(fn: Callable[[], Any], timeout: float = 90, every: float = 0.5, what: str = "condition") -> Any:

@@ -152,7 +152,6 @@ def test_zerogpu_off_without_the_env_var(monkeypatch):
         return 1
 
     assert zerogpu.gpu(fn) is fn
-    assert zerogpu.make_driver(lambda: None) is None
 
 
 def test_zerogpu_off_without_the_spaces_package(monkeypatch):
@@ -193,8 +192,7 @@ def test_chunk_driver_runs_the_queue_in_gpu_calls(monkeypatch):
     monkeypatch.setenv("SPACES_ZERO_GPU", "1")
     assert zerogpu.enabled()
     worker = FakeWorker(chunks=3)
-    driver = zerogpu.make_driver(lambda: worker)
-    assert driver is not None
+    driver = zerogpu.ChunkDriver(lambda: worker)
     assert driver.drive() == 3
     assert calls == [zerogpu.GPU_DURATION_S] * 4  # three chunks, then one call that found the queue empty
     assert worker.budgets == [zerogpu.CHUNK_S] * 4

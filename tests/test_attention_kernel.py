@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import attention_kernel
-from core.kv_cache import KVCache, PartialKVCache
-from core.model import attention
+from core.runtime.kernels import attention as attention_kernel
+from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.runtime.model import attention
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

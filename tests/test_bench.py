@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.__main__ import main
+from core.tools.cli import main
 
 
 def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
@@ -38,11 +38,11 @@ def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: P
 
 
 def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
-    from core.bench import run_ours
     from core.engine import Engine
-    from core.heads import DraftHeads
-    from core.loading import load_model
-    from core.sampling import PRESETS
+    from core.generation.sampling import PRESETS
+    from core.runtime.loading import load_model
+    from core.tokenswift.heads import DraftHeads
+    from core.tools.bench import run_ours
     from tests.conftest import make_tiny_checkpoint
 
     loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", seed=3, initializer_range=0.3, vocab_size=512)))
@@ -60,10 +60,10 @@ def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
 
 
 def test_a_variants_larger_tree_gets_its_graph_compiled(tmp_path: Path) -> None:
-    from core.bench import method_engine
     from core.engine import Engine
-    from core.loading import load_model
-    from core.tokenswift import TokenSwiftOptions
+    from core.runtime.loading import load_model
+    from core.tokenswift.options import TokenSwiftOptions
+    from core.tools.bench import method_engine
     from tests.conftest import make_tiny_checkpoint
 
     loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)))
@@ -124,7 +124,7 @@ def test_cost_curve_times_eager_and_compiled_forwards(tiny_model_dir: Path, tmp_
     # the memory floor counts the model's real weight matrices and its keys/values at each L
     assert "Memory floor of a one-token step" in table
     floor = json.loads(out.read_text())["memory_floor"]
-    from core.loading import load_model
+    from core.runtime.loading import load_model
 
     model = load_model(str(tiny_model_dir)).model
     cfg = model.cfg

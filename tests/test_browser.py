@@ -18,9 +18,8 @@ import pytest
 
 expect = pytest.importorskip("playwright.sync_api").expect
 
-from conftest import studio_server
-
 from app.studio_process import stop_server
+from conftest import studio_server
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.calibration import PRIOR, DraftCalibrator
-from core.tree import HEADS, NGRAM, TreeBuilder
+from core.tokenswift.calibration import PRIOR, DraftCalibrator
+from core.tokenswift.tree import HEADS, NGRAM, TreeBuilder
 
 
 def test_an_unseen_bin_trusts_the_raw_score() -> None:

@@ -7,8 +7,26 @@ import time
 
 import pytest
 
-from app.charts import (MAX_POINTS, StepBuckets, accepted_figure, all_figures, bucket_means, buckets_from_rows,
-                        repetition_figure, throughput_figure)
+from app.charts import (
+    MAX_POINTS,
+    StepBuckets,
+    accepted_figure,
+    all_figures,
+    buckets_from_rows,
+    repetition_figure,
+    throughput_figure,
+)
+
+
+def bucket_means(values: list[float], max_points: int = MAX_POINTS) -> list[float]:
+    """The buckets StepBuckets must produce, computed in one shot: at most ``max_points`` means of consecutive
+    equal-width runs (the last may be short), widths doubling until they fit."""
+    if max_points < 1:
+        raise ValueError("max_points must be at least 1")
+    width = 1
+    while -(-len(values) // width) > max_points:
+        width *= 2
+    return [sum(chunk) / len(chunk) for chunk in (values[i:i + width] for i in range(0, len(values), width))]
 
 
 def rows(n: int, seed: int = 0, start: int = 0) -> list[dict]:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from core.heads import HeadsError, load_heads, model_fingerprint
+from core.tokenswift.heads import HeadsError, load_heads, model_fingerprint
 
 # A fixed passage in the style the model writes (not from the training data).
 TEXT = (
@@ -78,7 +78,7 @@ def test_heads_beat_chance_and_simple_baselines(smol_engine, heads, passage) -> 
 
 
 def test_heads_refuse_another_model(smol_engine, tiny_model_dir) -> None:
-    from core.loading import load_model
+    from core.runtime.loading import load_model
 
     other = load_model(str(tiny_model_dir), device="cpu")
     with pytest.raises(HeadsError, match="not for this model"):
@@ -122,11 +122,11 @@ def test_chained_root_head_drafts_deeper_levels_than_the_heads_can(smol_engine, 
 
 def test_root_head_gets_more_drafts_accepted(smol_engine, heads) -> None:
     """Same text either way (lossless); with the root head drafting the first token, more of it comes from drafts."""
-    from core.decoding import GenerationConfig
     from core.engine import Engine
-    from core.sampling import PRESETS
-    from core.text import encode_prompt
-    from core.tokenswift import TokenSwiftOptions
+    from core.generation.decoding import GenerationConfig
+    from core.generation.sampling import PRESETS
+    from core.generation.text import encode_prompt
+    from core.tokenswift.options import TokenSwiftOptions
 
     ids = encode_prompt(smol_engine.tokenizer, "Write the opening of a novel about a lighthouse keeper.")
     config = GenerationConfig(max_new_tokens=200, method="tokenswift", sampling=PRESETS["studio"], ignore_eos=True)
@@ -142,11 +142,11 @@ def test_root_head_gets_more_drafts_accepted(smol_engine, heads) -> None:
 def test_calibration_verifies_fewer_drafts_that_fail(smol_engine, heads) -> None:
     """Paper sampling makes the drafters' raw scores run high: calibrated, the gate verifies fewer drafts that are
     then rejected, keeps most accepted ones, and the text is the same."""
-    from core.decoding import GenerationConfig
     from core.engine import Engine
-    from core.sampling import PRESETS
-    from core.text import encode_prompt
-    from core.tokenswift import TokenSwiftOptions
+    from core.generation.decoding import GenerationConfig
+    from core.generation.sampling import PRESETS
+    from core.generation.text import encode_prompt
+    from core.tokenswift.options import TokenSwiftOptions
 
     ids = encode_prompt(smol_engine.tokenizer, "Write the opening of a novel about a lighthouse keeper.")
     config = GenerationConfig(max_new_tokens=300, method="tokenswift", sampling=PRESETS["paper"], ignore_eos=True)

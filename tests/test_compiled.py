@@ -6,15 +6,15 @@ from pathlib import Path
 
 import torch
 
-from core.compiled import CompiledRunner, configure_inductor
-from core.heads import DraftHeads
-from core.decoding import GenerationConfig
-from core.engine import Engine
-from core.loading import cache_root, load_model
-from core.sampling import PRESETS
-from core.tokenswift import TokenSwiftOptions
-from core.tree import TreeBuilder
 from conftest import make_tiny_checkpoint
+from core.engine import Engine
+from core.generation.decoding import GenerationConfig
+from core.generation.sampling import PRESETS
+from core.runtime.compiled import CompiledRunner, configure_inductor
+from core.runtime.loading import cache_root, load_model
+from core.tokenswift.heads import DraftHeads
+from core.tokenswift.options import TokenSwiftOptions
+from core.tokenswift.tree import TreeBuilder
 
 
 def test_compiled_graphs_match_eager(tmp_path: Path) -> None:
@@ -22,7 +22,7 @@ def test_compiled_graphs_match_eager(tmp_path: Path) -> None:
     model = loaded.model
     heads = DraftHeads.initial(model)
     torch.nn.init.normal_(heads.proj[0].weight, std=0.05)
-    runner = CompiledRunner(model, heads, sizes=(1, 8))
+    runner = CompiledRunner(model, sizes=(1, 8), extra=lambda x: heads.logits(x, model))
     runner.warm_up()
     prefix = torch.randint(512, (20,), generator=torch.Generator().manual_seed(0))
     b = TreeBuilder(root=3)
@@ -73,7 +73,7 @@ def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_lev
     engine = Engine(loaded, heads, compile=True)
     opt = engine.options
     assert (opt.tree_budget, opt.draft_depth, opt.min_draft_score) == (4, 1, 0.25)
-    assert engine.root_drafting and not engine.graph_heads  # the heads' logits stay out of every forward
+    assert engine.plan.root_drafting and not engine.plan.graph_heads  # the heads' logits stay out of every forward
     # gated trees vary in size, and on a CPU a padded row costs like a real one: a graph for each size
     graphs = [what for what, _ in engine.warm_up_plan()]
     assert graphs == ["the root head"] + [f"the {n}-token graph" for n in (1, 2, 3, 4)]
@@ -81,12 +81,12 @@ def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_lev
     assert (eager.tree_budget, eager.min_draft_score) == (4, 0.0) and eager.draft_depth >= eager.tree_budget
     heads.root_chain = 3  # a chained root head drafts its levels, still without the heads
     chained = Engine(loaded, heads, compile=True)
-    assert chained.options.draft_depth == 3 and chained.chained_drafting and not chained.graph_heads
+    assert chained.options.draft_depth == 3 and chained.plan.chained_drafting and not chained.plan.graph_heads
     # in separate mode the draft pass's backbone drafts the first level and the chain the levels below it, as
     # many as the 4-node tree holds
     separate = Engine(loaded, heads, TokenSwiftOptions(draft_mode="separate"), compile=True)
-    assert separate.options.draft_depth == 4 and (separate.backbone_levels, separate.root_levels) == (1, 2)
-    assert separate.chained_drafting and not separate.graph_heads
+    assert separate.options.draft_depth == 4 and (separate.plan.backbone_levels, separate.plan.root_levels) == (1, 2)
+    assert separate.plan.chained_drafting and not separate.plan.graph_heads
 
 
 def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: Path) -> None:
@@ -96,20 +96,20 @@ def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: 
     torch.nn.init.normal_(heads.root.down.weight, std=0.2)  # a root head that differs from the model's prediction
     heads.keep_root_ids(torch.arange(0, 512, 3))
     engine = Engine(loaded, heads, TokenSwiftOptions(tree_budget=2, min_draft_score=0.0), compile=True)
-    assert engine.root_drafting and not engine.graph_heads  # a 2-node tree drafts from the root head alone
+    assert engine.plan.root_drafting and not engine.plan.graph_heads  # a 2-node tree drafts from the root head alone
     engine.runner.sizes = (1, 2)
-    assert engine.runner.root_step(torch.zeros(1, model.cfg.hidden_size), torch.tensor([1])) is None  # not compiled
+    assert engine.runner.side_step(torch.zeros(1, model.cfg.hidden_size), torch.tensor([1])) is None  # not compiled
     engine.warm_up()
-    assert engine.runner.root_ready and engine.runner.ready == {1, 2}
+    assert engine.runner.side_ready and engine.runner.ready == {1, 2}
     h, roots = torch.randn(1, model.cfg.hidden_size), torch.tensor([7])
     with torch.inference_mode():
-        compiled = engine.runner.root_step(h, roots)
+        compiled = engine.runner.side_step(h, roots)
         assert compiled is not None and compiled[1].shape == (1, len(heads.root_ids))
         for got, want in zip(compiled, heads.root_step(h, roots, model)):
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     calls = []
-    graph = engine.runner._root_fn
-    engine.runner._root_fn = lambda *a: calls.append(1) or graph(*a)
+    graph = engine.runner._side_fn
+    engine.runner._side_fn = lambda *a: calls.append(1) or graph(*a)
     ids = torch.randint(512, (25,), generator=torch.Generator().manual_seed(2)).tolist()
     from lossless import assert_lossless
 

@@ -9,12 +9,11 @@ import pytest
 import torch
 import transformers
 
-from core.decoding import GenerationConfig
 from core.engine import Engine
-from core.loading import load_model, resolve
-from core.sampling import PRESETS, SamplingSettings
-from core.text import encode_prompt
-from conftest import make_tiny_checkpoint
+from core.generation.decoding import GenerationConfig
+from core.generation.sampling import PRESETS, SamplingSettings
+from core.generation.text import encode_prompt
+from core.runtime.loading import load_model, resolve
 
 PROMPT = "Write a detailed story about an old clockmaker who repairs a clock that runs backwards."
 

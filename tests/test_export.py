@@ -2,15 +2,24 @@
 from __future__ import annotations
 
 import io
-import zipfile
 import xml.etree.ElementTree as ET
+import zipfile
 from types import SimpleNamespace
 
 import pytest
 
 import storage
-from app.export import (export_project, md_escape_block, md_escape_inline, paragraphs_xhtml, render, slugify,
-                        to_epub, to_markdown, to_text)
+from app.export import (
+    export_project,
+    md_escape_block,
+    md_escape_inline,
+    paragraphs_xhtml,
+    render,
+    slugify,
+    to_epub,
+    to_markdown,
+    to_text,
+)
 
 PROJECT = SimpleNamespace(title="The <Lighthouse> & *Keeper*", kind="novel", premise="ignored")
 CHAPTERS = [

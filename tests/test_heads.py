@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
-from core.heads import DraftHeads, HeadsError, load_heads, save_heads
-from core.model import ModelConfig, Transformer, build_model
-from core.sampling import Sampler, SamplingSettings
+from core.generation.sampling import Sampler, SamplingSettings
+from core.runtime.model import ModelConfig, Transformer, build_model
+from core.tokenswift.heads import DraftHeads, HeadsError, load_heads, save_heads
 
 
 def tiny(seed: int, hidden: int = 64) -> Transformer:

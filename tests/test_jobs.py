@@ -7,10 +7,15 @@ import pytest
 
 import storage as st
 from app.jobs import (
-    DEFAULT_CONTEXT, DEFAULT_SETTINGS, LIMITS, PROMPT_RESERVE, queue_chapter_run, queue_comparison, resume_chain,
+    DEFAULT_CONTEXT,
+    DEFAULT_SETTINGS,
+    LIMITS,
+    PROMPT_RESERVE,
+    queue_chapter_run,
+    queue_comparison,
+    resume_chain,
     validate_settings,
 )
-
 
 MODEL = "tiny"
 
@@ -29,8 +34,8 @@ def test_jobs_does_not_import_torch():
 
 
 def test_defaults_and_limits_agree_with_core():
-    from core.decoding import MAX_NEW_TOKENS, GenerationConfig
-    from core.sampling import MAX_SEED, PRESETS, SamplingSettings
+    from core.generation.decoding import MAX_NEW_TOKENS, GenerationConfig
+    from core.generation.sampling import MAX_SEED, PRESETS, SamplingSettings
 
     studio = PRESETS["studio"].to_dict()
     assert {k: DEFAULT_SETTINGS[k] for k in studio} == {**studio, "seed": 0}

@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from core.kv_cache import KVCache, PartialKVCache
-from core.model import ModelConfig, Transformer, build_model
-from core.tree import TreeBuilder
+from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.runtime.model import ModelConfig, Transformer, build_model
+from core.tokenswift.tree import TreeBuilder
 
 
 @pytest.fixture(scope="module")

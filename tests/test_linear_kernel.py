@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import linear_kernel
+from core.runtime.kernels import linear as linear_kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,8 +58,8 @@ def test_pack_round_trips() -> None:
 
 
 def test_packed_model_matches_the_library_path(tiny_model_dir) -> None:
-    from core.loading import load_model
-    from core.model import PackedLinear
+    from core.runtime.loading import load_model
+    from core.runtime.model import PackedLinear
 
     with torch.inference_mode():
         for n in (3, linear_kernel.MAX_ROWS + 8):  # a decoding step (the kernel) and a prefill (unpacked weights)
@@ -113,7 +113,7 @@ def test_real_model_logits_in_a_tree_equal_decoding_alone(smol_engine) -> None:
 
 def test_engines_pack_for_eager_decoding_only(tiny_model_dir) -> None:
     from core.engine import Engine
-    from core.model import PackedLinear
+    from core.runtime.model import PackedLinear
 
     assert isinstance(Engine.load(str(tiny_model_dir), heads=None, device="cpu").model.layers[0].wqkv, PackedLinear)
     compiled = Engine.load(str(tiny_model_dir), heads=None, device="cpu", compile=True)
@@ -125,9 +125,9 @@ def test_eager_engines_pack_the_heads_too(tiny_model_dir, vocab: bool) -> None:
     """An eager engine stores its heads' matrices and the lm_head rows they score as kernel tiles; their logits
     are the plain products' to float rounding, for a handful of rows (the kernel) and for more (plain rows)."""
     from core.engine import Engine
-    from core.heads import DraftHeads
-    from core.loading import load_model
-    from core.model import PackedLinear
+    from core.runtime.loading import load_model
+    from core.runtime.model import PackedLinear
+    from core.tokenswift.heads import DraftHeads
 
     loaded = load_model(str(tiny_model_dir), device="cpu")
     model = loaded.model

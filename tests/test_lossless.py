@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.decoding import GenerationConfig, Result
-from core.engine import Engine
-from core.heads import DraftHeads
-from core.loading import load_model
-from core.sampling import PRESETS
-from core.text import encode_prompt
-from core.tokenswift import TokenSwiftOptions
-from lossless import assert_lossless, check_against
 from conftest import make_tiny_checkpoint
+from core.engine import Engine
+from core.generation.decoding import GenerationConfig, Result
+from core.generation.sampling import PRESETS
+from core.generation.text import encode_prompt
+from core.runtime.loading import load_model
+from core.tokenswift.heads import DraftHeads
+from core.tokenswift.options import TokenSwiftOptions
+from lossless import assert_lossless, check_against
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "assets/bench_prompts.jsonl").read_text().splitlines()][:3]
@@ -36,7 +36,7 @@ def smol_heads(smol_engine):
     path = smol_engine.loaded.default_heads_path()
     if path is None or not path.is_file():
         return None
-    from core.heads import load_heads
+    from core.tokenswift.heads import load_heads
 
     return load_heads(path, smol_engine.model, smol_engine.loaded.name)
 
@@ -120,24 +120,24 @@ def test_a_chained_root_head_drafting_every_level_is_lossless(tmp_path: Path, mo
     """The root head reads its own state back for the levels below its first (DraftHeads.root_step); the heads
     draft nothing then, and the forward does not compute them. In separate mode its first level is the second,
     below the backbone's draft."""
-    from core import tokenswift
-    from core.tree import HEADS
+    from core.tokenswift import step
+    from core.tokenswift.tree import HEADS
 
     engine = peaky_tiny_engine(tmp_path, "llama", mode, kv_budget=40, root_chain=3)
-    assert engine.chained_drafting and not engine.graph_heads
-    assert engine.root_levels == 3 and engine.backbone_levels == (mode == "separate")
+    assert engine.plan.chained_drafting and not engine.plan.graph_heads
+    assert engine.plan.root_levels == 3 and engine.plan.backbone_levels == (mode == "separate")
     depths: list[int] = []  # the deepest node the model's drafters proposed, per tree
-    draft_tree = tokenswift.draft_tree
+    draft_tree = step.draft_tree
 
     def spy(*args, **kwargs):
         tree, proposed = draft_tree(*args, **kwargs)
         depths.append(max([d for d, src in zip(tree.depths, tree.sources) if src & HEADS], default=0))
         return tree, proposed
 
-    monkeypatch.setattr(tokenswift, "draft_tree", spy)
+    monkeypatch.setattr(step, "draft_tree", spy)
     monkeypatch.setattr(engine.heads, "logits", lambda *a: pytest.fail("the heads drafted: the chain did not"))
     assert accepted_in_every_setting(engine) > 0, "the tree was never exercised"
-    assert max(depths) == 3 + engine.backbone_levels, "the chain never drafted its third level"
+    assert max(depths) == 3 + engine.plan.backbone_levels, "the chain never drafted its third level"
 
 
 @pytest.mark.slow

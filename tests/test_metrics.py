@@ -1,12 +1,15 @@
-"""core.metrics: distinct-n, the windowed repetition share and its incremental tracker."""
+"""core/generation/metrics.py: distinct-n, the windowed repetition share and its incremental tracker."""
 
 import random
 import time
 
 import pytest
 
-from core.metrics import (
-    RepetitionTracker, acceptance_rate, distinct_n, ngrams, repeated_ngram_share, throughput,
+from core.generation.metrics import (
+    RepetitionTracker,
+    distinct_n,
+    ngrams,
+    repeated_ngram_share,
 )
 
 
@@ -54,10 +57,3 @@ def test_tracker_is_fast_on_long_outputs():
         tracker.extend([t])
     assert time.perf_counter() - t0 < 1.0
     assert tracker.value == pytest.approx(repeated_ngram_share(tokens))
-
-
-def test_acceptance_and_throughput():
-    assert acceptance_rate(8, 4) == 0.5
-    assert acceptance_rate(3, 0) == 0.0
-    assert throughput(100, 2.0) == 50.0
-    assert throughput(100, 0.0) == 0.0

@@ -7,8 +7,9 @@ import pytest
 import torch
 import transformers
 
-from core.model import ModelConfig, build_model
-from core.tree import TreeBuilder
+from conftest import path_tokens
+from core.runtime.model import ModelConfig, build_model
+from core.tokenswift.tree import TreeBuilder
 
 TOL = 1e-4
 
@@ -66,7 +67,7 @@ def check_against_hf(hf: transformers.PreTrainedModel, vocab: int) -> None:
         positions = tree.positions(len(prefix))[1:]
         lt, _ = ours(torch.tensor(nodes), positions, cache, mask)
         for i in range(len(nodes)):
-            path_ids = tokens + tree.path_tokens(i + 1)
+            path_ids = tokens + path_tokens(tree, i + 1)
             expect = hf(torch.tensor([path_ids])).logits[0, -1]
             assert rel_err(lt[i], expect) < TOL, f"tree node {i}"
 
@@ -114,7 +115,7 @@ def test_unsupported_architecture_is_refused() -> None:
 
 @pytest.mark.slow
 def test_real_smollm2_matches_transformers(smol_engine) -> None:
-    from core.loading import resolve
+    from core.runtime.loading import resolve
 
     folder, _ = resolve("smollm2-135m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -132,5 +133,5 @@ def test_real_smollm2_matches_transformers(smol_engine) -> None:
         tree = builder.build(10)
         lt, _ = model(torch.tensor(tree.tokens[1:]), tree.positions(len(tokens) - 1)[1:], cache, tree.mask()[1:, 1:])
         for i in range(len(tree) - 1):
-            expect = hf(torch.tensor([tokens + tree.path_tokens(i + 1)])).logits[0, -1]
+            expect = hf(torch.tensor([tokens + path_tokens(tree, i + 1)])).logits[0, -1]
             assert rel_err(lt[i], expect) < TOL

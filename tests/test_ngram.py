@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.ngram import NGramTable
+from core.tokenswift.ngram import NGramTable
 
 
 def test_counts_and_topk_order() -> None:

@@ -5,12 +5,12 @@ from types import SimpleNamespace
 import pytest
 
 from app.prompting import TRIM_MARKER, build_chapter_prompt, prompt_budget
-from core.text import encode_prompt
+from core.generation.text import encode_prompt
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from core.loading import load_tokenizer, resolve
+    from core.runtime.loading import load_tokenizer, resolve
 
     return load_tokenizer(resolve("smollm2-135m")[0])
 

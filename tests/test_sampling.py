@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from core.sampling import PRESETS, Sampler, SamplingSettings, apply_penalty, filter_logits, gumbel_noise
+from core.generation.sampling import PRESETS, Sampler, SamplingSettings, apply_penalty, filter_logits, gumbel_noise
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below
 CHI2_CRIT = {7: 24.32, 5: 20.52}

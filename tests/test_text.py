@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from core.loading import load_tokenizer, resolve
-from core.text import MAX_PROMPT_CHARS, TextStream, encode_prompt
+from core.generation.text import MAX_PROMPT_CHARS, TextStream, encode_prompt
+from core.runtime.loading import load_tokenizer, resolve
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from core.__main__ import main
-from core.heads import load_heads
-from core.loading import load_model
-from core.train_heads import penalty_windows, read_samples
+from core.runtime.loading import load_model
+from core.tokenswift.heads import load_heads
+from core.tools.cli import main
+from core.tools.train_heads import penalty_windows, read_samples
 from tests.conftest import make_tiny_checkpoint
 
 

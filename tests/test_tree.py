@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from core.tree import HEADS, NGRAM, TreeBuilder
+from conftest import path_tokens
+from core.tokenswift.tree import HEADS, NGRAM, TreeBuilder
 
 
 def test_identical_prefixes_share_nodes_and_sources_merge() -> None:
@@ -28,7 +29,7 @@ def test_mask_and_positions() -> None:
     expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     assert torch.equal(tree.mask(), expected)
     assert tree.positions(100).tolist() == [100, 101, 101, 102]
-    assert tree.path_tokens(3) == [1, 2]
+    assert path_tokens(tree, 3) == [1, 2]
 
 
 def test_budget_keeps_the_best_prefix_closed_nodes() -> None:
@@ -38,7 +39,7 @@ def test_budget_keeps_the_best_prefix_closed_nodes() -> None:
     tree = b.build(budget=5)
     # chances: 1:.6, 1-3:.3, 1-3-5:.27, 1-4:.24, 2:.3, ... -> best four non-root nodes
     assert len(tree) == 5
-    kept = {tuple(tree.path_tokens(i)) for i in range(1, len(tree))}
+    kept = {tuple(path_tokens(tree, i)) for i in range(1, len(tree))}
     assert kept == {(1,), (2,), (1, 3), (1, 3, 5)}
     for i in range(1, len(tree)):  # every kept node's parent is kept and comes first
         assert 0 <= tree.parents[i] < i
@@ -48,7 +49,7 @@ def test_a_chain_hangs_each_level_under_the_top_drafts_above_it() -> None:
     b = TreeBuilder(root=0)
     b.add_chain([[(1, 0.6), (2, 0.3)], [(3, 0.5), (4, 0.4)], [(5, 0.9)]])
     tree = b.build(budget=100)
-    paths = {tuple(tree.path_tokens(i)): b.scores[i] for i in range(1, len(b.tokens))}
+    paths = {tuple(path_tokens(tree, i)): b.scores[i] for i in range(1, len(b.tokens))}
     # the second level knew only that the first was 1: nothing hangs under 2
     assert set(paths) == {(1,), (2,), (1, 3), (1, 4), (1, 3, 5)}
     assert abs(paths[(1, 4)] - 0.24) < 1e-9 and abs(paths[(1, 3, 5)] - 0.27) < 1e-9

@@ -43,7 +43,7 @@ def decode(engine, ids):
 
 def reference_ids(engine, prompt: str, settings: dict, method: str) -> list[int]:
     """The output of one uninterrupted generation, straight from the engine."""
-    from core.text import encode_prompt
+    from core.generation.text import encode_prompt
 
     config = generation_config(validate_settings(settings, engine.max_context), method)
     return engine.generate(encode_prompt(engine.tokenizer, prompt), config).run().token_ids

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_worker import assert_text_of
 
 import storage as st
 from app.jobs import queue_chapter_run, resume_chain, validate_settings
 from app.worker import Worker, generation_config
-from test_worker import assert_text_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +79,7 @@ def test_sigkill_then_restart_marks_interrupted_and_resume_is_exact(tmp_path, ti
     resumed = st.get_run(db, resumed.id)
     assert resumed.status == "done", resumed.error
     all_ids = [t for r in resume_chain(db, resumed) + [resumed] for t in st.get_run_token_ids(db, r.id)]
-    from core.text import encode_prompt
+    from core.generation.text import encode_prompt
 
     config = generation_config(validate_settings(settings, tiny_engine.max_context), "ar")
     reference = tiny_engine.generate(encode_prompt(tiny_engine.tokenizer, interrupted.prompt), config).run()

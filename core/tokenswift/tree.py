@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from core.calibration import Proposal
+from core.tokenswift.calibration import Proposal
 
 HEADS = 1
 NGRAM = 2
@@ -44,14 +44,6 @@ class Tree:
 
     def positions(self, root_position: int, device: torch.device | str = "cpu") -> Tensor:
         return torch.tensor(self.depths, dtype=torch.long, device=device) + root_position
-
-    def path_tokens(self, node: int) -> list[int]:
-        """Tokens from the root's first child down to `node` (the root itself excluded)."""
-        out: list[int] = []
-        while node > 0:
-            out.append(self.tokens[node])
-            node = self.parents[node]
-        return out[::-1]
 
 
 class TreeBuilder:

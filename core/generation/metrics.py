@@ -1,4 +1,4 @@
-"""Text-quality and speed figures computed from token ids: distinct-n, the windowed repetition share, acceptance.
+"""Text-quality figures computed from token ids: distinct-n and the windowed repetition share.
 
 Pure Python, no torch: the worker calls these on every flush, the UI and the benchmark on finished runs.
 
@@ -78,12 +78,3 @@ class RepetitionTracker:
         total = len(self._grams)
         return 1.0 - len(self._counts) / total if total else 0.0
 
-
-def acceptance_rate(accepted: int, steps: int, gamma: int = 4) -> float:
-    """The paper's alpha: accepted draft tokens / (gamma * steps); 0.0 without steps."""
-    return accepted / (gamma * steps) if steps > 0 else 0.0
-
-
-def throughput(n_tokens: int, seconds: float) -> float:
-    """Tokens per second; 0.0 when no time has passed."""
-    return n_tokens / seconds if seconds > 0 else 0.0

@@ -6,15 +6,14 @@ Head k predicts the token k+1 places ahead of the model's next token.
 
 The optional root head (Hydra-style) predicts the same token as head 1, the one after the model's next token (the
 root), but also reads the root itself: state = h_0 + W_down·SiLU(W_up·[RMSNorm(h_0); RMSNorm(embed(root))]). Knowing
-the root nearly doubles head 1's held-out top-1 accuracy (17% -> 30%). It runs after the root is drawn, outside
-the decoder's forward. Its state before the output norm estimates the model's hidden state at the root, so a
-*chained* root head (`root_chain` levels, EAGLE-style) reads that state back with its own top draft to draft the
-level after, and so on: on held-out text its level-2 and level-3 drafts are the drawn token 32% of the time once the
-level above was (heads 2 and 3, which know neither token: 12% and 10%).
+the root, it is right far more often than head 1 (core/README.md has the held-out figures). It runs after the root is
+drawn, outside the decoder's forward. Its state before the output norm estimates the model's hidden state at the
+root, so a *chained* root head (`root_chain` levels, EAGLE-style) reads that state back with its own top draft to
+draft the level after, and so on, where heads 2 and 3 know neither token above theirs.
 
 The heads may score only a subset of the vocabulary (`vocab`, the ids the model actually writes): drafts need only a
-top-k, and on a CPU the full 49K-row lm_head costs as much as a third of a decoder step. The verification always uses
-the full vocabulary, so this never changes the output, only which drafts are proposed.
+top-k, and on a CPU the full lm_head is a large share of a decoder step. The verification always uses the full
+vocabulary, so this never changes the output, only which drafts are proposed.
 
 A heads file is safetensors with metadata naming its base model and a fingerprint of that model's config and
 embeddings; loading it on another model fails with a clear error.
@@ -30,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from core.model import PackedLinear, RMSNorm, Transformer
+from core.runtime.model import PackedLinear, RMSNorm, Transformer
 
 FORMAT = "tokenswift-heads/1"
 
@@ -48,8 +47,7 @@ class RootHead(nn.Module):
         self.down = nn.Linear(width, hidden_size)
         self.norm_out = RMSNorm(hidden_size, eps)
         # The token ids it scores (empty: the heads' vocabulary). Running outside the compiled forward, it pays for
-        # every lm_head row it reads: the 2048 most frequent ids keep its top-1 (30.0% against 30.4% held out) for a
-        # quarter of the rows, ~1 ms less per step on a CPU.
+        # every lm_head row it reads, and the most frequent ids hold nearly all its right drafts.
         self.register_buffer("ids", ids if ids is not None else torch.empty(0, dtype=torch.long))
 
     def forward(self, h0: Tensor, root_embedding: Tensor) -> Tensor:
@@ -155,9 +153,9 @@ class DraftHeads(nn.Module):
 
     def pack_for_decoding(self, model: Transformer) -> None:
         """Store the heads' matrices, and the lm_head rows they score, as the few-row CPU kernel's tiles, as
-        Transformer.pack_for_decoding stores the model's (an eager float32 CPU engine calls both): MKL spent ~9 ms of
-        an eager step on the three heads' logits at one row, the kernel ~2 (README). The rows stay plain too, for
-        more rows than the kernel takes."""
+        Transformer.pack_for_decoding stores the model's (an eager float32 CPU engine calls both): for one row the
+        kernel reads each weight once where the library's product is far slower. The rows stay plain too, for more
+        rows than the kernel takes."""
         for k in range(self.n_heads):
             if isinstance(self.proj[k], nn.Linear):
                 self.proj[k] = PackedLinear.of(self.proj[k])
@@ -194,8 +192,7 @@ def rank_drafts(scores: Tensor, k: int, noise: Tensor | None = None,
     With `noise` [rows, V] (the sampler's Gumbel noise at each row's position, over the whole vocabulary), the
     drafts are ranked as the sampler will draw there: scores + noise. Sampling draws argmax(scores + noise) with
     noise fixed by (seed, position), so if the drafter matched the model its top-1 would be exactly the drawn
-    token; measured offline on 2046 positions of generated text (studio settings), this lifted a root head's hit
-    rate from 33% to 38%.
+    token; an inexact drafter's top-1 is drawn more often so too.
     """
     subset = ids is not None and ids.numel() > 0
     x = scores.float()

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core import attention_kernel, linear_kernel
-from core.kv_cache import KVCache, PartialKVCache
+from core.runtime.kernels import attention as attention_kernel
+from core.runtime.kernels import linear as linear_kernel
+from core.runtime.kv_cache import KVCache, PartialKVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -163,9 +164,9 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> T
     Transformer.attention_bias (None: everything visible).
 
     The query heads that share a KV head are folded into its rows ([kv_heads, group * n, d]), so grouped-query
-    attention needs no copies of the keys; PyTorch's `enable_gqa` path falls back to a slow kernel on CPU (10x at 4K
-    tokens). On a float32 CPU our kernel (core/attention_kernel.py) runs it at about twice the speed of two matrix
-    products, which in turn beat PyTorch's fused kernel at these sizes.
+    attention needs no copies of the keys (PyTorch's `enable_gqa` path falls back to a slow kernel on CPU). On a
+    float32 CPU our kernel (core/runtime/kernels/attention.py) runs it, reading every key once for all the rows;
+    elsewhere two matrix products or PyTorch's fused kernel.
     """
     h, n, d = q.shape
     kv = keys.shape[0]
@@ -185,13 +186,13 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> T
 
 
 class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight is stored as the few-row CPU kernel's tiles (core/linear_kernel.py).
+    """A frozen nn.Linear whose weight is stored as the few-row CPU kernel's tiles (core/runtime/kernels/linear.py).
 
-    Eager decoding steps run the kernel (1.5-2.7x faster than MKL's products for 1-2 rows, README); more rows (a
-    prefill) unpack the weight for the library's GEMM, a copy per call that costs little next to the GEMM.
-    `keep_weight` keeps the [out, in] weight too (an lm_head tied to the embedding, or whose rows the drafting heads
-    read). Compiled engines do not pack (Engine): inside a graph inductor's GEMMs on plain weights were 3-8% faster
-    than the kernel, and a traced PackedLinear only unpacks.
+    Eager decoding steps run the kernel (the library's products handle a few rows badly); more rows (a prefill) unpack
+    the weight for the library's GEMM, a copy per call that costs little next to the GEMM. `keep_weight` keeps the
+    [out, in] weight too (an lm_head tied to the embedding, or whose rows the drafting heads read). Compiled engines
+    do not pack (Engine): inside a graph inductor's own GEMMs on plain weights serve, and a traced PackedLinear only
+    unpacks.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, keep_weight: bool = False):
@@ -298,7 +299,8 @@ class Transformer(nn.Module):
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return bias.repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)
 
-    def hidden(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache, block_mask: Tensor | None = None) -> Tensor:
+    def hidden(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
+               block_mask: Tensor | None = None) -> Tensor:
         """Run the decoder on new tokens; returns pre-final-norm hidden states [n, hidden].
 
         `block_mask[i, j]` (bool, n x n) says whether new token i may attend to new token j; every cached token is

@@ -10,13 +10,13 @@ stages, caching their products outside git (`--data-dir`, default under TOKENSWI
    whenever the samples have changed.
 3. train: the heads alone, loss = sum of the cross-entropies for tokens t+2, t+3, t+4 (AdamW, warmup + cosine, as in
    the paper), over the heads' vocabulary (the ids the model writes most); checkpointed, resumable, time-budgeted.
-4. root: the root head (core/heads.py) on the same rows, predicting t+2 from the hidden state and the token t+1,
+4. root: the root head (tokenswift/heads.py) on the same rows, predicting t+2 from the hidden state and the token t+1,
    distilled from the model's own distribution for t+2 (read from the next row's hidden state, at the studio
    temperature): a whole distribution per row teaches more than the one token sampled from it, and what decides a
    draft's acceptance is how well it matches that distribution under the sampler's noise. Same optimiser and
    checkpointing; saved into the heads' file.
 5. chain (with `--root-chain N` > 1): the root head learns to draft N levels by reading its own state back with the
-   token above (core/heads.py), distilled at each level from the model's distribution there (chain_losses). An
+   token above (tokenswift/heads.py), distilled at each level from the model's distribution there (chain_losses). An
    EAGLE-style pull of its state towards the model's hidden state (`--chain-feature-weight`) cost level 1 more than
    it gave below (held out, 400 steps: 0.1 gave 0.53 accepted tokens per chain against 0.55 without).
 6. eval: per-head top-1/top-3 accuracy on held-out prompts' text, and the root head's drawn rate: how often its
@@ -36,17 +36,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from core.sampling import PRESETS, Sampler, SamplingSettings, gumbel_noise, nucleus
+from core.generation.sampling import PRESETS, Sampler, SamplingSettings, gumbel_noise, nucleus
+from core.generation.text import encode_prompt
+from core.runtime.loading import load_model, load_tokenizer, resolve
+from core.runtime.paths import ASSETS, cache_root
+from core.tokenswift.heads import DraftHeads, load_heads, save_heads
 
-ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("data", "hidden", "train", "root", "chain", "eval")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default=None, help="heads file (default assets/heads/<model>.safetensors)")
-    p.add_argument("--prompts", default=str(ROOT / "assets/prompts/train_prompts.jsonl"))
+    p.add_argument("--prompts", default=str(ASSETS / "prompts/train_prompts.jsonl"))
     p.add_argument("--data-dir", default=None, help="cache of generated data and checkpoints (outside git)")
     p.add_argument("--stage", default="all", choices=["all", *STAGES])
     p.add_argument("--gen-tokens", type=int, default=1024, help="tokens generated per prompt")
@@ -80,8 +84,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 def data_dir_for(args: argparse.Namespace) -> Path:
     if args.data_dir:
         return Path(args.data_dir)
-    from core.loading import cache_root
-
     return cache_root() / "train-data" / args.model.replace("/", "--")
 
 
@@ -99,11 +101,7 @@ def split_ids(prompts: list[dict[str, Any]], holdout: float, seed: int) -> set[s
 # --- stage 1: self-distilled text -----------------------------------------------------------------------------------
 
 def stage_data(args: argparse.Namespace, data: Path) -> None:
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from core.loading import load_tokenizer, resolve
-    from core.text import encode_prompt
+    from transformers import AutoModelForCausalLM  # slow to import; only the data stage needs it
 
     out = data / "samples.jsonl"
     done = {json.loads(line)["key"] for line in out.read_text().splitlines()} if out.exists() else set()
@@ -171,10 +169,6 @@ HIDDEN_FORMAT = 2  # 2: y holds tokens t+1..t+4 (1 held t+2..t+4)
 
 
 def stage_hidden(args: argparse.Namespace, data: Path) -> None:
-    from tqdm import tqdm
-
-    from core.loading import load_model
-
     target = data / "hidden.pt"
     samples = read_samples(data)
     if target.exists():
@@ -288,7 +282,6 @@ def optimise(module: torch.nn.Module, losses_of: Any, n_rows: int, ckpt_path: Pa
     """Train `module` (AdamW, warmup + cosine, clipped) on random batches of row indices (`losses_of(idx)` gives the
     losses); checkpointed every 200 steps (with the loss history), resumable with the same batches, stopped early by
     --max-minutes. Returns the steps done."""
-    from tqdm import tqdm
 
     module.requires_grad_(True).train()
     decay = [p for p in module.parameters() if p.ndim == 2]  # matrices decay; norms and biases do not
@@ -343,9 +336,6 @@ def load_hidden(data: Path) -> dict[str, Any]:
 
 
 def stage_train(args: argparse.Namespace, data: Path) -> None:
-    from core.heads import DraftHeads, save_heads
-    from core.loading import load_model
-
     tensors = load_hidden(data)
     h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
     model = load_model(args.model, device="cpu").model
@@ -361,8 +351,6 @@ def stage_train(args: argparse.Namespace, data: Path) -> None:
 def trained_so_far(args: argparse.Namespace, data: Path) -> tuple[dict[str, Any], Any, Path, Any]:
     """What a stage after the train stage starts from: the hidden states, the frozen model, the heads file and the
     heads in it."""
-    from core.heads import load_heads
-    from core.loading import load_model
 
     tensors = load_hidden(data)
     model = load_model(args.model, device="cpu").model
@@ -372,7 +360,6 @@ def trained_so_far(args: argparse.Namespace, data: Path) -> tuple[dict[str, Any]
 
 def stage_root(args: argparse.Namespace, data: Path) -> None:
     """The root head, trained on the same rows beside the frozen heads of the train stage; saved into their file."""
-    from core.heads import save_heads
 
     if not args.root_width:
         return
@@ -426,7 +413,6 @@ def chain_losses(heads: Any, model: Any, h_all: torch.Tensor, y_all: torch.Tenso
 def stage_chain(args: argparse.Namespace, data: Path) -> None:
     """Teach the trained root head to draft `--root-chain` levels by reading its own state back (chain_losses),
     starting from the root stage's head; saved into the heads' file with its chain length."""
-    from core.heads import save_heads
 
     if args.root_chain <= 1:
         return
@@ -486,7 +472,7 @@ def write_card_section(out: Path, key: str, section: dict) -> None:
 
 
 def out_path(args: argparse.Namespace) -> Path:
-    return Path(args.out) if args.out else ROOT / "assets" / "heads" / f"{args.model.replace('/', '--')}.safetensors"
+    return Path(args.out) if args.out else ASSETS / "heads" / f"{args.model.replace('/', '--')}.safetensors"
 
 
 # --- stage 4: evaluation and the card -------------------------------------------------------------------------------
@@ -581,9 +567,6 @@ def penalty_windows(y0: torch.Tensor, rows: torch.Tensor, width: int) -> torch.T
 
 
 def stage_eval(args: argparse.Namespace, data: Path) -> None:
-    from core.heads import load_heads
-    from core.loading import load_model
-
     tensors = load_hidden(data)
     lm = load_model(args.model, device="cpu")
     out = out_path(args)

@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import Tensor
 
-from core import attention_kernel
-from core.decoding import PREFILL_CHUNK
-from core.kv_cache import KVCache
+from core.engine import Engine
+from core.generation.decoding import PREFILL_CHUNK
+from core.runtime.kernels import attention as attention_kernel
+from core.runtime.kv_cache import KVCache
+from core.runtime.loading import load_model
+from core.tools.hardware import hardware, run_report
 
 
 def add_cost_curve_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,8 @@ def add_cost_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--library-linear", action="store_true",
                    help="also time the eager model with MKL's matrix products instead of the few-row CPU kernel")
     p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--markdown", default=None, metavar="JSON",
+                   help="print a saved run (a --json file) as the README shows it, and exit")
 
 
 def _sync(device: torch.device) -> None:
@@ -65,7 +69,7 @@ def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: i
 
 
 @torch.inference_mode()
-def measure(engine: Any, model: Any, contexts: list[int], sizes: list[int], repeats: int,
+def measure(engine: Engine, model: Any, contexts: list[int], sizes: list[int], repeats: int,
             progress: Callable[[str], None] = lambda _: None, matmul_attention: bool = False,
             library_model: Any = None, read_rate: ReadRate | None = None) -> list[dict[str, Any]]:
     """Median milliseconds per (mode, L, n); modes are 'eager' (`model`, as eager decoding runs it) and, if the
@@ -141,7 +145,8 @@ class ReadRate:
 def memory_floor(model: Any, contexts: list[int], bandwidth: float) -> list[dict[str, Any]]:
     """Per context: the megabytes a one-token step reads and the milliseconds that takes at `bandwidth` bytes/s."""
     reads = {L: step_bytes(model.cfg, L, model.dtype.itemsize) for L in contexts}
-    return [{"context": L, "mb": round(b / 1e6, 1), "floor_ms": round(1000 * b / bandwidth, 2)} for L, b in reads.items()]
+    return [{"context": L, "mb": round(b / 1e6, 1), "floor_ms": round(1000 * b / bandwidth, 2)}
+            for L, b in reads.items()]
 
 
 def without_kernel(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -166,11 +171,21 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_cost_curve(args: argparse.Namespace) -> int:
-    from core.bench import hardware
-    from core.engine import Engine
-    from core.loading import load_model
+def floor_line(floor: dict[str, Any]) -> str:
+    return (f"Memory floor of a one-token step (this CPU reads {floor['read_gb_s']} GB/s): "
+            + ", ".join(f"L={r['context']}: {r['mb']:.0f} MB, {r['floor_ms']:.1f} ms" for r in floor["rows"]))
 
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """A saved run (the --json file) as the README shows it: command, machine, table, memory floor."""
+    text = run_report(report["command"], report["hardware"], markdown(report["rows"]))
+    return text + (f"\n\n{floor_line(report['memory_floor'])}" if report.get("memory_floor") else "")
+
+
+def run_cost_curve(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print(report_markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     contexts = sorted(int(x) for x in args.contexts.split(","))
     sizes = sorted(int(x) for x in args.sizes.split(","))
     if not sizes or min(sizes) < 1 or args.repeats < 1:
@@ -197,10 +212,10 @@ def run_cost_curve(args: argparse.Namespace) -> int:
     if read_rate is not None:
         bandwidth = read_rate.median()
         floor = {"read_gb_s": round(bandwidth / 1e9, 1), "rows": memory_floor(engine.model, contexts, bandwidth)}
-        print(f"\nMemory floor of a one-token step (this CPU reads {floor['read_gb_s']} GB/s): "
-              + ", ".join(f"L={r['context']}: {r['mb']:.0f} MB, {r['floor_ms']:.1f} ms" for r in floor["rows"]))
+        print("\n" + floor_line(floor))
     if args.json:
-        report = {"model": engine.loaded.name, "dtype": str(engine.model.dtype), "hardware": hardware(),
+        report = {"command": args.command_line, "model": engine.loaded.name, "dtype": str(engine.model.dtype),
+                  "hardware": hardware(),
                   "repeats": args.repeats, "rows": rows, "memory_floor": floor}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

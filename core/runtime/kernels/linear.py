@@ -1,11 +1,11 @@
 """A CPU matrix product for the few rows of a decoding step: y = x W^T + b for 1-32 rows of x, weights read once.
 
 A decoding step multiplies one token, or a small token tree, by every weight of the model: it is bound by reading
-the weights. MKL's products handle these shapes badly (an eager 2-token step cost 1.5-1.7x a 1-token one); this
-kernel streams each weight once per step for all rows: weights are packed once into tiles of 16 output columns
+the weights. The library's products handle these shapes badly (a second row costs far more than the roofline says);
+this kernel streams each weight once per step for all rows: weights are packed once into tiles of 16 output columns
 ([N/16, K, 16], `pack`), a row's 16 partial sums stay in registers while the tile's K columns stream by, and up to
-6 rows share every loaded weight vector. Eager steps run 1.5-2.7x faster with it (README, Performance); compiled
-engines keep inductor's GEMMs, a few percent faster still inside a graph (core/model.py, PackedLinear).
+6 rows share every loaded weight vector. Compiled engines keep inductor's GEMMs inside their graphs
+(core/runtime/model.py, PackedLinear).
 
 Every output is the same sequence of fused multiply-adds over k in order, whichever rows came with it: a row's
 result is bit-identical whether it is computed alone or inside a tree, so vanilla decoding and TokenSwift's
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from core import native
+from core.runtime.kernels.build import ROW_TILE, build
 
 COLS = 16  # output columns per packed tile (two AVX2 vectors, one AVX-512 vector)
 MAX_ROWS = 32  # beyond this a step is compute-bound and the library GEMM is the better tool (prefill)
@@ -33,7 +33,7 @@ SOURCE = r"""
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-""" + native.ROW_TILE + r"""
+""" + ROW_TILE + r"""
 namespace {
 
 constexpr int64_t kCols = 16;
@@ -107,7 +107,7 @@ def kernel() -> Any | None:
     """The compiled extension (built on the first call, ~20 s; then loaded from the cache), or None."""
     if os.environ.get("TOKENSWIFT_LINEAR", "kernel") == "library":
         return None
-    return native.build("linear", SOURCE, ["linear"])
+    return build("linear", SOURCE, ["linear"])
 
 
 def pack(weight: Tensor) -> Tensor:

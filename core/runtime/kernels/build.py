@@ -1,4 +1,4 @@
-"""Builds our C++ CPU kernels (core/attention_kernel.py, core/linear_kernel.py) with the system's compiler, once per
+"""Builds our C++ CPU kernels (kernels/attention.py, kernels/linear.py) with the system's compiler, once per
 machine, and loads them from the cache afterwards; holds the register tile both are built on (ROW_TILE).
 
 Each kernel is compiled with torch's cpp_extension (g++ and ninja, which torch.compile needs anyway) into
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from core.runtime.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,8 @@ def build(name: str, source: str, functions: list[str]) -> Any | None:
     if it cannot be built (warned once)."""
     if name in _MODULES:
         return _MODULES[name]
+    # torch's C++ extension tooling is imported only when a kernel is first built or loaded: it is slow to import
     from torch.utils.cpp_extension import load_inline
-
-    from core.loading import cache_root
 
     key = hashlib.sha256((source + cpu_info().get("flags", "") + torch.__version__).encode()).hexdigest()[:12]
     folder = cache_root() / "kernels" / key

@@ -1,41 +1,60 @@
-"""The decode loop API shared by the CLI, the worker and the benchmark.
+"""The decode loop shared by every decoding method: prefill, steps, stopping, streaming and counting.
 
-`generate(engine, prompt_ids, config)` returns a `Generation`: iterate it for `Step` events (new token ids, text
-delta, accepted drafts, tree size, timings); afterwards `.result` holds the summary. Vanilla autoregressive decoding
-lives here; TokenSwift (core/tokenswift.py) plugs into the same bookkeeping, so both stop, stream and count alike.
+A `Generation` runs a step function (`StepFunction`: vanilla decoding's `vanilla_steps` here, TokenSwift's in
+core/tokenswift/step.py, each bound to its engine; the engine keeps the registry) over a `Decoder` (the model and one
+forward): iterate it for
+`Step` events (new token ids, text delta, accepted drafts, tree size, timings); afterwards `.result` holds the
+summary. Every method goes through the same `emit`, so all stop, stream and count alike.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from core.kv_cache import KVCache
-from core.sampling import Sampler, SamplingSettings
-from core.text import TextStream
+from core.generation.sampling import Sampler, SamplingSettings
+from core.generation.text import TextStream
+from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.runtime.model import Transformer
 
-if TYPE_CHECKING:
-    from core.engine import Engine
-
-METHODS = ("ar", "tokenswift")
 PREFILL_CHUNK = 256
 MAX_NEW_TOKENS = 1_000_000
+
+
+class Decoder(Protocol):
+    """What the decode loop needs of an engine: the model, its tokenizer and a forward pass."""
+
+    model: Transformer
+    tokenizer: Any
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def max_block(self) -> int:
+        """The most tokens one forward appends beyond the committed sequence."""
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
+                block_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None
+                ) -> tuple[Tensor, Tensor]: ...
 
 
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 512
-    method: str = "ar"
+    method: str = "ar"  # a name in the engine's registry of decoding methods (core/engine.py)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False  # suppress end-of-sequence so exactly max_new_tokens come out
 
     def validate(self) -> "GenerationConfig":
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(f"max new tokens must be an integer between 1 and {MAX_NEW_TOKENS}, "
                              f"got {self.max_new_tokens}")
@@ -97,16 +116,21 @@ class Result:
 
 
 class Generation:
-    """One generation: prefill, then steps from a decoding method, with shared stopping and streaming."""
+    """One generation: prefill, then the steps of a decoding method, with shared stopping and streaming.
 
-    def __init__(self, engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
+    `resume_ids`: output of an earlier, interrupted generation with the same prompt and settings; it counts towards
+    `max_new_tokens` and the continuation equals what the uninterrupted generation would have produced.
+    """
+
+    def __init__(self, decoder: Decoder, prompt_ids: list[int], config: GenerationConfig, steps: StepFunction,
                  cancel: Callable[[], bool] | None = None, resume_ids: list[int] = ()):  # type: ignore[assignment]
-        self.engine = engine
+        self.decoder = decoder
+        self.step_function = steps
         self.config = config.validate()
         self.cancel = cancel or (lambda: False)
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
-        limit = engine.max_context
+        limit = decoder.max_context
         if len(resume_ids) >= config.max_new_tokens:
             raise ValueError(f"nothing to resume: {len(resume_ids)} of {config.max_new_tokens} tokens already written")
         if len(prompt_ids) + config.max_new_tokens > limit:
@@ -119,12 +143,12 @@ class Generation:
         self.tokens = list(prompt_ids) + list(resume_ids)
         # the same sequence as a tensor, for penalty windows without a list-to-tensor copy per draw
         self.token_buf = torch.zeros(len(prompt_ids) + config.max_new_tokens + 1, dtype=torch.long,
-                                     device=engine.device)
+                                     device=decoder.device)
         self.token_buf[:len(self.tokens)] = torch.tensor(self.tokens, dtype=torch.long)
-        cfg = engine.model.cfg
+        cfg = decoder.model.cfg
         banned = cfg.eos_token_ids if config.ignore_eos else ()
         self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
-        self.stream = TextStream(engine.tokenizer)
+        self.stream = TextStream(decoder.tokenizer)
         self.steps: list[Step] = []
         self.n_resumed = len(resume_ids)
         self.text = self.stream.push(list(resume_ids))  # the output text so far, as streamed
@@ -156,18 +180,18 @@ class Generation:
 
     def new_cache(self) -> KVCache:
         # room for the prompt, the output and one verification block beyond it
-        need = len(self.prompt_ids) + self.config.max_new_tokens + self.engine.max_block
-        return self.engine.model.new_cache(need)
+        need = len(self.prompt_ids) + self.config.max_new_tokens + self.decoder.max_block
+        return self.decoder.model.new_cache(need)
 
     def prefill(self, cache: KVCache) -> tuple[Tensor, Tensor]:
         """Run the prompt (and any resumed output) through the model in chunks; returns the last position's logits
         and hidden state."""
         t0 = time.perf_counter()
-        ids = torch.tensor(self.tokens, dtype=torch.long, device=self.engine.device)
+        ids = torch.tensor(self.tokens, dtype=torch.long, device=self.decoder.device)
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[start:start + PREFILL_CHUNK]
             positions = torch.arange(start, start + len(chunk), device=ids.device)
-            logits, hidden = self.engine.forward(chunk, positions, cache, logits_rows=slice(-1, None))
+            logits, hidden = self.decoder.forward(chunk, positions, cache, logits_rows=slice(-1, None))
             cache.commit()
         self.prefill_s = time.perf_counter() - t0
         return logits[-1], hidden[-1]
@@ -179,7 +203,7 @@ class Generation:
         Returns the step, or None if nothing was added. Sets `stop_reason` when the generation is over.
         """
         cfg = self.config
-        eos = set(self.engine.model.cfg.eos_token_ids)
+        eos = set(self.decoder.model.cfg.eos_token_ids)
         kept: list[int] = []
         for t in new_ids:
             if self.n_out + len(kept) >= cfg.max_new_tokens:
@@ -234,7 +258,7 @@ class Generation:
     # -- iteration -------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Step]:
-        steps = self.engine.tokenswift_steps(self) if self.config.method == "tokenswift" else self.ar_steps()
+        steps = self.step_function(self)
         try:
             with torch.inference_mode():
                 yield from steps
@@ -253,32 +277,26 @@ class Generation:
             return True
         return False
 
-    def ar_steps(self) -> Iterator[Step]:
-        """Vanilla decoding: one forward and one draw per token."""
-        cache = self.new_cache()
-        logits, _ = self.prefill(cache)
-        device = self.engine.device
-        while not self.cancelled():
-            t0 = time.perf_counter()
-            token = self.draw(logits)
-            done = self.n_out + 1 >= self.config.max_new_tokens or token in self.engine.model.cfg.eos_token_ids
-            if not done:
-                pos = torch.tensor([len(self.tokens)], device=device)
-                logits, _ = self.engine.forward(torch.tensor([token], device=device), pos, cache)
-                logits = logits[0]
-                cache.commit()
-            step = self.emit([token], time.perf_counter() - t0)
-            if step is not None:
-                yield step
-            if self.stop_reason:
-                return
+
+StepFunction = Callable[[Generation], Iterator[Step]]
 
 
-def generate(engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
-             cancel: Callable[[], bool] | None = None, resume_ids: list[int] = ()) -> Generation:  # type: ignore[assignment]
-    """Start a generation; iterate the result for steps, then read `.result`.
-
-    `resume_ids`: output of an earlier, interrupted generation with the same prompt and settings; it counts towards
-    `max_new_tokens` and the continuation equals what the uninterrupted generation would have produced.
-    """
-    return Generation(engine, prompt_ids, config, cancel, resume_ids)
+def vanilla_steps(decoder: Decoder, gen: Generation) -> Iterator[Step]:
+    """Vanilla decoding: one forward and one draw per token."""
+    cache = gen.new_cache()
+    logits, _ = gen.prefill(cache)
+    eos = decoder.model.cfg.eos_token_ids
+    while not gen.cancelled():
+        t0 = time.perf_counter()
+        token = gen.draw(logits)
+        done = gen.n_out + 1 >= gen.config.max_new_tokens or token in eos
+        if not done:
+            pos = torch.tensor([len(gen.tokens)], device=decoder.device)
+            logits, _ = decoder.forward(torch.tensor([token], device=decoder.device), pos, cache)
+            logits = logits[0]
+            cache.commit()
+        step = gen.emit([token], time.perf_counter() - t0)
+        if step is not None:
+            yield step
+        if gen.stop_reason:
+            return

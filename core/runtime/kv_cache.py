@@ -9,7 +9,7 @@ tokens, the tokens the latest query attends to most (scored per KV head), and th
 overwrite the lowest-scored slots as they arrive. Once they would reach the sinks, the whole sequence is re-scored.
 
 On a CPU in float32 both caches store keys transposed ([layers, kv_heads, d, slots] underneath a [.., slots, d]
-view), the layout core/attention_kernel.py reads: its scores then vectorise along the keys.
+view), the layout core/runtime/kernels/attention.py reads: its scores then vectorise along the keys.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class KVCache:
         self.length = 0  # committed tokens
         self.n_new = 0  # tokens written by the last forward, not yet committed
 
-    def begin(self, n: int, q_needed: bool = False) -> None:
+    def begin(self, n: int) -> None:
         """Called once per forward, before the layers write `n` new tokens."""
         if self.length + n > self.max_len:
             raise ValueError(f"KV cache full: {self.length} cached + {n} new > capacity {self.max_len}")
@@ -114,7 +114,7 @@ class PartialKVCache:
     def active(self) -> bool:
         return self.full.length > self.budget
 
-    def begin(self, n: int, q_needed: bool = False) -> None:
+    def begin(self, n: int) -> None:
         L = self.full.length
         if L <= self.budget:
             # Short sequences: the partial cache *is* the full cache (no error, unlike the paper's code).

@@ -2,11 +2,11 @@
 compiler.
 
 Decoding asks attention for 3-24 query rows per KV head (one token or a small token tree, times the query heads
-that share a KV head) over thousands of cached keys. Batched matrix products handle that shape badly on a CPU:
-MKL reads the keys at ~18 GB/s and a second query row costs a fifth more. This kernel splits the keys into chunks,
-reads each key and value once for all the rows, keeps a chunk's scores in cache for an exact softmax, and merges the
-chunks' partial softmaxes in a fixed order (as flash-decoding does): so a row's result depends only on its query
-and the keys it sees, not on how many rows came with it, how many keys are masked out or how many threads ran.
+that share a KV head) over thousands of cached keys. Batched matrix products handle that shape badly on a CPU: they
+read the keys well below the memory's rate, and each further query row costs more. This kernel splits the keys into
+chunks, reads each key and value once for all the rows, keeps a chunk's scores in cache for an exact softmax, and
+merges the chunks' partial softmaxes in a fixed order (as flash-decoding does): so a row's result depends only on its
+query and the keys it sees, not on how many rows came with it, how many keys are masked out or how many threads ran.
 
 `attend` returns None when the kernel cannot be used (not a float32 CPU tensor, no compiler, or
 TOKENSWIFT_ATTENTION=matmul): the caller then takes the matrix-product path, which computes the same function.
@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from core import native
+from core.runtime.kernels.build import ROW_TILE, build
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -32,7 +32,7 @@ SOURCE = r"""
 #include <limits>
 #include <type_traits>
 #include <vector>
-""" + native.ROW_TILE + r"""
+""" + ROW_TILE + r"""
 namespace {
 
 constexpr int64_t kChunk = 256;  // keys per task; a chunk's scores stay in L1/L2
@@ -231,7 +231,7 @@ def kernel() -> Any | None:
     """The compiled extension (built on the first call, ~20 s; then loaded from the cache), or None."""
     if os.environ.get("TOKENSWIFT_ATTENTION", "kernel") == "matmul":
         return None
-    return native.build("attention", SOURCE, ["attend"])
+    return build("attention", SOURCE, ["attend"])
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float) -> Tensor | None:

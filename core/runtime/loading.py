@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from core.model import ModelConfig, Transformer, build_model
+from core.runtime.model import ModelConfig, Transformer, build_model
+from core.runtime.paths import ASSETS, cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,6 @@ class LoadedModel:
     def default_heads_path(self) -> Path | None:
         alias = ALIASES.get(self.name)
         return ASSETS / "heads" / alias.heads if alias else None
-
-
-def cache_root() -> Path:
-    env = os.environ.get("TOKENSWIFT_CACHE")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("tokenswift"))
 
 
 def default_device() -> str:

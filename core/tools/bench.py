@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import threading
@@ -26,9 +25,20 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+from tqdm import tqdm
 
-from core import native
+from core.engine import Engine
+from core.generation.decoding import GenerationConfig
+from core.generation.metrics import distinct_n
+from core.generation.sampling import PRESETS
+from core.generation.text import encode_prompt
+from core.runtime.loading import resolve
+from core.runtime.paths import ASSETS
+from core.tokenswift.options import GAMMA
+from core.tools.args import options_from
+from core.tools.hardware import hardware, run_report
 
 # TokenSwift variants: the engine's options they change (None: drop the heads; drafting from n-grams only)
 VARIANTS: dict[str, dict[str, Any] | None] = {
@@ -50,11 +60,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                                    "min_draft_score": 0.0},
 }
 METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", default=str(ROOT / "assets/bench_prompts.jsonl"), help="JSONL with a 'prompt' field")
+    p.add_argument("--prompts", default=str(ASSETS / "bench_prompts.jsonl"), help="JSONL with a 'prompt' field")
     p.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--lengths", default="1024,4096,8000", help="generated lengths to report, comma-separated")
     p.add_argument("--methods", default="hf,hf-lookup,ar,tokenswift,tokenswift-separate")
@@ -63,6 +72,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--plot", default=None, help="write a Plotly chart (HTML) of speedup vs length")
+    p.add_argument("--markdown", default=None, metavar="JSON",
+                   help="print a saved run (a --json file) as the README shows it, and exit")
     p.add_argument("--hf-max-length", type=int, default=None,
                    help="stop the transformers baselines here (on a CPU, hf-lookup takes over 30 min for 8000 tokens); "
                         "longer lengths report only our methods")
@@ -103,8 +114,6 @@ class RssSampler:
     """Peak resident memory of this process while a run is going (psutil, sampled every 50 ms)."""
 
     def __enter__(self) -> "RssSampler":
-        import psutil
-
         self.proc = psutil.Process()
         self.peak = self.proc.memory_info().rss
         self.stop = threading.Event()
@@ -122,7 +131,7 @@ class RssSampler:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def method_engine(engine: Any, method: str) -> Any:
+def method_engine(engine: Engine, method: str) -> Engine:
     """The engine a method runs on: a variant shares the model, heads and compiled graphs and changes one thing."""
     if method not in VARIANTS:
         return engine
@@ -136,9 +145,7 @@ def method_engine(engine: Any, method: str) -> Any:
     return engine
 
 
-def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampling: Any) -> Run:
-    from core.decoding import GenerationConfig
-
+def run_ours(engine: Engine, method: str, prompt_ids: list[int], length: int, sampling: Any) -> Run:
     engine = method_engine(engine, method)
     config = GenerationConfig(max_new_tokens=length, method="ar" if method == "ar" else "tokenswift",
                               sampling=sampling, ignore_eos=True)
@@ -160,7 +167,7 @@ def run_ours(engine: Any, method: str, prompt_ids: list[int], length: int, sampl
 
 
 def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: Any, eos: tuple[int, ...]) -> Run:
-    from transformers.generation.streamers import BaseStreamer
+    from transformers.generation.streamers import BaseStreamer  # slow to import; only the hf baselines need it
 
     class Clock(BaseStreamer):
         """Arrival time of every new token (the streamer gets the prompt first, then each sampled token)."""
@@ -202,14 +209,10 @@ def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: A
 
 
 def distinct(tokens: list[int]) -> list[float]:
-    from core.metrics import distinct_n
-
     return [round(distinct_n(tokens, n), 4) for n in (1, 2, 3, 4)]
 
 
 def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[dict[str, Any]]:
-    from core.tokenswift import GAMMA
-
     rows = []
     by = {(r.method, r.prompt, r.repeat): r for r in runs}
     pairs = sorted({(r.prompt, r.repeat) for r in runs})
@@ -268,7 +271,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def write_plot(runs: list[Run], path: Path, title: str) -> None:
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # slow to import; only --plot needs it
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("speedup over ar vs generated length",
@@ -290,29 +293,15 @@ def write_plot(runs: list[Run], path: Path, title: str) -> None:
     fig.write_html(str(path), include_plotlyjs=True)
 
 
-def hardware() -> dict[str, Any]:
-    """The machine a figure was measured on: CPU model, family and widest vector unit (two "AMD EPYC" machines may
-    be a Zen 3 with AVX2 or a Zen 5 with AVX-512), threads, torch, GPU."""
-    info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "cpu": platform.processor() or "", "cuda": None}
-    fields = native.cpu_info()
-    if fields:
-        flags = fields.get("flags", "").split()
-        info["cpu"] = fields.get("model name", info["cpu"])
-        info["cpu_family_model"] = f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}"
-        info["vector"] = next((isa for isa in ("avx512f", "avx2", "avx", "sse4_2") if isa in flags), "")
-    if torch.cuda.is_available():
-        info["cuda"] = torch.cuda.get_device_name()
-    return info
+def report_markdown(report: dict[str, Any]) -> str:
+    """A saved run (the --json file) as the README shows it: command, machine, table."""
+    return run_report(report["settings"]["command"], report["hardware"], markdown(report["rows"]))
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from core.engine import Engine
-    from core.sampling import PRESETS
-    from core.text import encode_prompt
-
+    if args.markdown:
+        print(report_markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -323,8 +312,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError(f"no prompts in {args.prompts}")
     heads = None if args.heads == "none" else args.heads
-    from core.__main__ import options_from
-
     engine = Engine.load(args.model, heads=heads, device=args.device, options=options_from(args),
                          compile=args.compile)
     ours = [method_engine(engine, m) for m in methods if not m.startswith("hf")] or [engine]
@@ -342,9 +329,7 @@ def run_bench(args: argparse.Namespace) -> int:
                          f"the longest length that fits is {limit - max(map(len, prompt_ids))}")
     hf = None
     if any(m.startswith("hf") for m in methods):
-        from transformers import AutoModelForCausalLM
-
-        from core.loading import resolve
+        from transformers import AutoModelForCausalLM  # slow to import; only the hf baselines need it
 
         folder, _ = resolve(engine.loaded.name)
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=engine.model.dtype).to(engine.device).eval()
@@ -371,7 +356,7 @@ def run_bench(args: argparse.Namespace) -> int:
                            "prompts": len(prompts), "repeats": args.repeats, "model": engine.loaded.name,
                            "heads": getattr(engine.heads, "meta", {}).get("base_model") if engine.heads else None,
                            "options": asdict(engine.options), "compile": args.compile,
-                           "command": " ".join(sys.argv)},
+                           "command": args.command_line},
               "hardware": hardware(), "rows": rows}
     if args.json:  # a missing folder must not cost the run's figures
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -38,12 +38,14 @@ class SamplingSettings:
         checks = [
             (0 <= self.temperature <= 5, f"temperature must be between 0 and 5 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and 0 <= self.top_k <= 100_000, f"top-k must be an integer >= 0, got {self.top_k}"),
+            (isinstance(self.top_k, int) and 0 <= self.top_k <= 100_000,
+             f"top-k must be an integer >= 0, got {self.top_k}"),
             (0 <= self.min_p < 1, f"min-p must be in [0, 1), got {self.min_p}"),
             (1 <= self.penalty <= 3, f"penalty θ must be between 1 and 3 (1 = off), got {self.penalty}"),
             (isinstance(self.penalty_window, int) and 1 <= self.penalty_window <= 1_000_000,
              f"penalty window must be an integer between 1 and 1000000, got {self.penalty_window}"),
-            (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, f"seed must be an integer in [0, 2^63), got {self.seed}"),
+            (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
+             f"seed must be an integer in [0, 2^63), got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -62,8 +64,8 @@ class SamplingSettings:
         return replace(self, **changes)
 
 
-# Named presets. "studio" is the default for writing: on SmolLM2-135M-Instruct the paper's settings degenerate into
-# non-words within a few hundred tokens, while these stayed readable over 2048 tokens (see README).
+# Named presets. "studio" is the default for writing: on the small default model the paper's settings soon degenerate
+# into non-words, while these stay readable over long texts.
 PRESETS: dict[str, SamplingSettings] = {
     "studio": SamplingSettings(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, penalty=1.1, penalty_window=1024),
     "paper": SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, min_p=0.1, penalty=1.2, penalty_window=1024),
@@ -105,8 +107,8 @@ def filter_logits(logits: Tensor, s: SamplingSettings) -> Tensor:
 def nucleus(logits: Tensor, top_p: float) -> Tensor:
     """Mask of the top-p set: the fewest most likely tokens whose probabilities sum to at least `top_p`.
 
-    The same set as Hugging Face's top-p (which sorts the whole vocabulary, ~10 ms for 49K ids on a CPU), found from
-    a top-k that grows until it covers `top_p`: usually a few dozen ids do.
+    The same set as Hugging Face's top-p, which sorts the whole vocabulary every draw; here it is found from a top-k
+    that grows until it covers `top_p`: usually a few dozen ids do.
     """
     probs = logits.softmax(dim=-1)
     vocab = logits.shape[-1]
@@ -164,10 +166,9 @@ class Sampler:
     def draft_scores(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
         """A drafting head's logits [rows, V'] over token `ids` (None: the whole vocabulary) processed as `scores`
         processes the model's, less the penalty: banned ids out, then temperature and filters (over the head's own
-        mass, so a draft the nucleus would cut is not proposed). Measured on held-out text with the studio settings,
-        the filters raise how often the root head's draft is the drawn token from 33.8% to 35.3%; the penalty would
-        lower it to 28%: a head's logits are flatter than the model's, so the penalty moves its drafts off repeated
-        tokens far more often than it moves the model's draws (a head trained under the penalty gained nothing)."""
+        mass, so a draft the nucleus would cut is not proposed). The penalty is left out: a head's logits are flatter
+        than the model's, so the penalty would move its drafts off repeated tokens far more often than it moves the
+        model's draws, and the drafts would be drawn less often (core/README.md)."""
         return filter_logits(self._without_banned(logits, ids), self.s)
 
     def _without_banned(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
@@ -187,14 +188,3 @@ class Sampler:
             return scores.argmax(dim=-1)
         noise = torch.stack([self.noise(p, scores.device) for p in positions])
         return (scores + noise).argmax(dim=-1)
-
-    def margin(self, scores: Tensor, position: int) -> tuple[int, int, float]:
-        """Top two candidates at a row and the gap between their (perturbed) scores: the near-tie diagnostic."""
-        v = scores.clone() if self.s.greedy else scores + self.noise(position, scores.device)
-        top = v.topk(2)
-        return int(top.indices[0]), int(top.indices[1]), float(top.values[0] - top.values[1])
-
-
-def penalty_window(tokens: list[int], window: int) -> list[int]:
-    """The ids the penalty sees when drawing the token after `tokens`."""
-    return tokens[-window:]

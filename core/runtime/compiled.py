@@ -1,12 +1,11 @@
 """Compiled forward passes: the decoder as a few fixed-size graphs (torch.compile, inductor, weights frozen).
 
-On this model's shapes inductor's own micro-GEMMs run a one-token step about twice as fast as eager PyTorch with
-MKL's products (1.2x as fast as our eager kernels), and several tokens cost little more than one (README,
-Performance). Graphs specialise on shapes, so a forward of n tokens is padded up to the next size in `SIZES`;
-padding rows attend only to themselves and are never kept in the cache. Attention stays outside the graph, as a
-custom op that reads and writes the KV cache: its length changes every step and would otherwise force a
-recompilation each time. The kernels' compiled code is cached on disk under TOKENSWIFT_CACHE, but every start lowers
-the graphs again (1-1.5 minutes per graph on a 2-core CPU, more the first time; configure_inductor says why).
+Inductor's own micro-GEMMs and fused elementwise kernels remove eager PyTorch's per-op overhead. Graphs specialise on
+shapes, so a forward of n tokens is padded up to the next size in `SIZES`; padding rows attend only to themselves and
+are never kept in the cache. Attention stays outside the graph, as a custom op that reads and writes the KV cache:
+its length changes every step and would otherwise force a recompilation each time. The kernels' compiled code is
+cached on disk under TOKENSWIFT_CACHE, but every start lowers the graphs again (about a minute per graph on a
+2-core CPU; configure_inductor says why).
 Prefill chunks and any size beyond the largest graph run eagerly; both paths compute the same function.
 """
 from __future__ import annotations
@@ -20,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from core.heads import DraftHeads
-from core.kv_cache import KVCache, PartialKVCache
-from core.model import Transformer, attention, rotate
+from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.runtime.model import Transformer, attention, rotate
+from core.runtime.paths import cache_root
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -45,10 +44,17 @@ def _(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
     return q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
 
 
-def dense_forward(model: Transformer, heads: DraftHeads | None, tokens: Tensor, cos: Tensor,
+# A function of the hidden states computed inside every graph, its rows along the second-to-last dimension (the
+# drafting heads' logits); a one-row function of a hidden state and a token compiled as a graph of its own (the
+# root head's step).
+ExtraOutput = Callable[[Tensor], Tensor]
+SideStep = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def dense_forward(model: Transformer, extra: ExtraOutput | None, tokens: Tensor, cos: Tensor,
                   sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """The decoder with attention delegated to the custom op; returns the logits of all rows, the hidden states and
-    the drafting heads' logits of all rows (None without heads)."""
+    `extra` of the hidden states (None without it)."""
     cfg = model.cfg
     n = tokens.shape[0]
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -61,13 +67,12 @@ def dense_forward(model: Transformer, heads: DraftHeads | None, tokens: Tensor, 
         x = x + block.wo(cached_attention(q, k, v, i))
         gate, up = block.w_gate_up(block.mlp_norm(x)).chunk(2, dim=-1)
         x = x + block.w_down(F.silu(gate) * up)
-    return model.logits(x), x, (heads.logits(x, model) if heads is not None else None)
+    return model.logits(x), x, (extra(x) if extra is not None else None)
 
 
 def configure_inductor() -> None:
+    # inductor's modules are imported only by compiling engines: importing them costs seconds
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from core.loading import cache_root
 
     # Torch writes its default (a temp folder) into the variable the first time anything asks for it, and loading
     # a model does: so only a value other than that default is a user's choice to keep.
@@ -78,8 +83,8 @@ def configure_inductor() -> None:
 
     inductor_config.freezing = True  # weights become constants: prepacked for inductor's own GEMMs
     # The graph cache cannot hold graphs with mkldnn-packed weights (torch bypasses it for them): each start lowers
-    # every graph again, 1-1.5 min per graph on a 2-core CPU. Without the packing the cache hits, but a step is 2-4x
-    # slower (no GEMM templates), so the packing stays; the cache still serves the compiled kernels' code.
+    # every graph again. Without the packing the cache hits, but a step is several times slower (no GEMM templates),
+    # so the packing stays; the cache still serves the compiled kernels' code.
     inductor_config.fx_graph_cache = True
     cache_gemm_templates()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(SIZES))
@@ -87,8 +92,8 @@ def configure_inductor() -> None:
 
 def cache_gemm_templates() -> None:
     """Parse each of inductor's Jinja kernel templates once per process: it parses the same template source again
-    for every GEMM it lowers (hundreds per graph), which made up a quarter of a warm-up here (199 -> 151 s for the
-    default model's graphs). A parsed template is immutable, so sharing it changes no generated code."""
+    for every GEMM it lowers (hundreds per graph), a large share of a warm-up. A parsed template is immutable, so
+    sharing it changes no generated code."""
     from torch._inductor.codegen.common import KernelTemplate
 
     parse = KernelTemplate.__dict__.get("_template_from_string")
@@ -97,26 +102,22 @@ def cache_gemm_templates() -> None:
 
 
 class CompiledRunner:
-    def __init__(self, model: Transformer, heads: DraftHeads | None = None, sizes: tuple[int, ...] = SIZES,
-                 mode: str = "max-autotune", root: DraftHeads | None = None):
-        """`heads`: drafting heads whose logits every forward computes; `root`: heads whose root head gets a
-        one-row graph of its own (it runs between forwards, once the root is drawn)."""
+    def __init__(self, model: Transformer, sizes: tuple[int, ...] = SIZES, mode: str = "max-autotune",
+                 extra: ExtraOutput | None = None, side: SideStep | None = None, side_name: str = "the side step"):
+        """`extra`: computed from the hidden states of every row inside every graph (third output of `forward`);
+        `side`: a one-row step compiled as a graph of its own (`side_step`; it runs between forwards), called
+        `side_name` in the warm-up plan. Whatever they read must be built before: built inside a trace, a tensor
+        would force a recompile."""
         configure_inductor()
         self.model = model
-        self.heads = heads
         self.sizes = sizes
-        # build the heads' lm_head rows now: built inside a trace, they would force a recompile
-        if heads is not None:
-            heads.lm_weight(model)
-        if root is not None:
-            root.root_lm_weight(model)
-        self._fn = torch.compile(lambda t, c, s: dense_forward(model, heads, t, c, s), mode=mode, fullgraph=True,
+        self.side_name = side_name
+        self._fn = torch.compile(lambda t, c, s: dense_forward(model, extra, t, c, s), mode=mode, fullgraph=True,
                                  dynamic=False)
-        # Eagerly the root head costs ~1 ms a step on a CPU, mostly per-op overhead and cold weights; compiled ~0.5.
-        self._root_fn = None if root is None else torch.compile(
-            lambda h, r: root.root_step(h, r, model), mode=mode, fullgraph=True, dynamic=False)
+        # eagerly a small one-row step is mostly per-op overhead: its own graph halves it on a CPU
+        self._side_fn = None if side is None else torch.compile(side, mode=mode, fullgraph=True, dynamic=False)
         self.ready: set[int] = set()  # sizes whose graphs are compiled
-        self.root_ready = False
+        self.side_ready = False
 
     def bucket(self, n: int) -> int | None:
         """The graph size a forward of n tokens should have (the one to warm up for it)."""
@@ -128,31 +129,31 @@ class CompiledRunner:
         return min((s for s in self.ready if s >= n), default=None)
 
     def warm_up(self, sizes: tuple[int, ...] | None = None, progress: Callable[[str], None] | None = None,
-                root: bool = False) -> float:
-        """Compile the graphs for `sizes` (and the root head's, if `root`) now: minutes, at every start (see
+                side: bool = False) -> float:
+        """Compile the graphs for `sizes` (and the side step's, if `side`) now: minutes, at every start (see
         configure_inductor)."""
         t0 = time.perf_counter()
-        for what, compile_graph in self.plan(sizes, root):
+        for what, compile_graph in self.plan(sizes, side):
             if progress:
                 progress(what)
             compile_graph()
         return time.perf_counter() - t0
 
-    def plan(self, sizes: tuple[int, ...] | None = None, root: bool = False) -> list[tuple[str, Callable[[], None]]]:
+    def plan(self, sizes: tuple[int, ...] | None = None, side: bool = False) -> list[tuple[str, Callable[[], None]]]:
         """The warm-up as separate steps, one graph each (what it compiles, a call that compiles it), so a caller
         can do other work between them; graphs already compiled are left out."""
         steps: list[tuple[str, Callable[[], None]]] = []
-        if root and self._root_fn is not None and not self.root_ready:
-            steps.append(("the root head", self._warm_root))
+        if side and self._side_fn is not None and not self.side_ready:
+            steps.append((self.side_name, self._warm_side))
         steps += [(f"the {size}-token graph", functools.partial(self._warm_graph, size))
                   for size in sizes or self.sizes if size not in self.ready]
         return steps
 
-    def _warm_root(self) -> None:
-        self.root_ready = True
+    def _warm_side(self) -> None:
+        self.side_ready = True
         device = self.model.device
         with torch.inference_mode():
-            self.root_step(torch.zeros(1, self.model.cfg.hidden_size, dtype=self.model.dtype, device=device),
+            self.side_step(torch.zeros(1, self.model.cfg.hidden_size, dtype=self.model.dtype, device=device),
                            torch.zeros(1, dtype=torch.long, device=device))
 
     def _warm_graph(self, size: int) -> None:
@@ -164,8 +165,8 @@ class CompiledRunner:
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
                 block_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """Logits, hidden states and heads' logits of all rows; None if no graph of a fitting size is ready (the
-        caller runs eagerly: a generation never stalls on a compilation)."""
+        """Logits, hidden states and `extra` of all rows; None if no graph of a fitting size is ready (the caller
+        runs eagerly: a generation never stalls on a compilation)."""
         n = tokens.shape[0]
         size = self.graph_size(n)
         if size is None:
@@ -184,14 +185,14 @@ class CompiledRunner:
         cos, sin = self.model.rope(positions)
         _ACTIVE["cache"], _ACTIVE["bias"] = cache, bias
         try:
-            logits, hidden, head_logits = self._fn(tokens, cos, sin)
+            logits, hidden, extra = self._fn(tokens, cos, sin)
         finally:
             _ACTIVE.clear()
         cache.n_new = n  # padding rows were written past the real ones; commit() must not keep them
-        return logits[:n], hidden[:n], (head_logits[:, :n] if head_logits is not None else None)
+        return logits[:n], hidden[:n], (extra[..., :n, :] if extra is not None else None)
 
-    def root_step(self, h0: Tensor, roots: Tensor) -> tuple[Tensor, Tensor] | None:
-        """DraftHeads.root_step of one row through its graph; None if that graph is not compiled."""
-        if not self.root_ready or self._root_fn is None or h0.shape[0] != 1:
+    def side_step(self, hidden: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The side step of one row through its graph; None if that graph is not compiled."""
+        if not self.side_ready or self._side_fn is None or hidden.shape[0] != 1:
             return None
-        return self._root_fn(h0, roots)
+        return self._side_fn(hidden, tokens)

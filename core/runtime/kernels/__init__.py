@@ -1,0 +1,1 @@
+"""Our C++ CPU kernels (attention over a long cache, few-row linear layers), built once per machine."""

@@ -1,0 +1,137 @@
+"""Drafting: the model's drafts (backbone, root head, heads) and the n-gram table's continuations, merged into one
+budgeted candidate tree below the root.
+
+Drafts for a position are ranked by the drafter's logits, processed as the sampler processes the model's
+(Sampler.draft_scores), plus the Gumbel noise the sampler will add at that position: it depends only on the seed and
+the position, so it is known before the model sees the position. Were a drafter exact, its top-1 would be exactly
+the token drawn. Which drafts are proposed never changes a token written: verification decides.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from core.generation.decoding import Decoder, Generation
+from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.tokenswift.calibration import DraftCalibrator, Proposal
+from core.tokenswift.heads import rank_drafts
+from core.tokenswift.ngram import NGramTable
+from core.tokenswift.options import DraftPlan
+from core.tokenswift.tree import HEADS, NGRAM, Tree, TreeBuilder
+
+
+class TokenSwiftEngine(Decoder, Protocol):
+    """What TokenSwift needs of an engine beyond the decode loop's forward."""
+
+    @property
+    def plan(self) -> DraftPlan:
+        """The resolved options and the heads (core/tokenswift/options.py)."""
+
+    def forward_with_heads(self, tokens: Tensor, positions: Tensor, cache: KVCache | PartialKVCache,
+                           block_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`forward` of all rows, plus the heads' logits [n_heads, n, V'] where the forward computed them."""
+
+    def root_step(self, h0: Tensor, roots: Tensor) -> tuple[Tensor, Tensor]:
+        """The root head's state and logits (DraftHeads.root_step)."""
+
+    def notice(self, message: str) -> None:
+        """Tell the user `message`, once."""
+
+
+def draft_tree(engine: TokenSwiftEngine, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
+               backbone: Tensor | None, table: NGramTable,
+               calibrator: DraftCalibrator | None = None) -> tuple[Tree, list[Proposal]]:
+    """Merge the model's drafts (draft_candidates) and the n-gram table's continuations below the root (the last
+    token of `gen`) into one budgeted trie, scored by the calibrator's chances if given. Also returns the drafts as
+    proposed, for the calibrator to learn from once the step is drawn."""
+    plan = engine.plan
+    opt = plan.options
+    root = gen.tokens[-1]
+    depth = opt.tree_budget - 1  # no deeper draft fits the tree
+    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, plan.draft_levels, calibrator)
+    builder = TreeBuilder(root)
+    if plan.chained_drafting:  # deeper drafts hold only under the top draft above them
+        builder.add_chain(candidates, HEADS)
+    else:
+        builder.add_product(candidates, HEADS)
+    # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
+    keys = [(root, [], 1.0)]
+    if candidates:
+        first, chance = candidates[0][0]
+        keys.append((first, [first], chance))
+    for key, prefix, base in keys:
+        # a continuation seen c times among `total` scores c / (total + 1): one seen once is right ~1 time in 4 with
+        # the studio settings, not always (as c / total would claim); measured on generated text
+        total = table.total(key)
+        for cont, count in table.topk(key, opt.ngram_topk):
+            score = base * min(1.0, opt.ngram_weight * count / (total + 1))
+            builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont), NGRAM)
+    proposed = builder.recalibrate(calibrator.chance) if calibrator is not None else []
+    return builder.build(opt.tree_budget, opt.min_draft_score or 0.0), proposed
+
+
+def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
+                     backbone: Tensor | None, depth: int,
+                     calibrator: DraftCalibrator | None = None) -> list[list[tuple[int, float]]]:
+    """[(token, estimated chance), ...] for each of the first `depth` positions after the root, from the backbone
+    (separate mode), the root head and the heads, each ranked as the sampler will draw there (heads.candidates).
+
+    `h_last` is the hidden state the heads read (fused mode: the position before the root, head k predicts the k-th
+    token after the root, and the root head reads it with the root; separate mode: the root, everything one
+    further, and the root head reads it with the backbone's top draft);
+    `head_logits` [n_heads, V'] their predictions if the forward computed them (None: computed here if needed);
+    `backbone` the draft pass's next-token logits (separate mode only). A chained root head stops where the path
+    of its top drafts is less likely than the draft gate (by `calibrator`'s chances, if given): no node below could
+    be verified, since none is more likely than its parent.
+    """
+    plan, device = engine.plan, engine.device
+    opt, heads = plan.options, plan.heads
+    root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
+    settings, sampler = gen.config.sampling, gen.sampler
+
+    def noise(first: int, n: int) -> Tensor | None:
+        """The draws' Gumbel noise at positions first .. first + n - 1 (none when decoding greedily)."""
+        if settings.greedy:
+            return None
+        return torch.stack([sampler.noise(first + i, device) for i in range(n)])
+
+    candidates: list[list[tuple[int, float]]] = []
+    if backbone is not None and depth > 0:
+        # the backbone's logits are the model's own (over a partial cache): processed exactly as the draw will be
+        ids, p = rank_drafts(sampler.scores(backbone[None], gen.window()), opt.backbone_topk, noise(root_pos + 1, 1))
+        candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
+    if heads is None or h_last is None:
+        return candidates
+    if plan.root_drafting:
+        # the root head predicts head 1's token knowing the token before it: nearly twice as often right. A chained
+        # one then reads its own state back with its top draft, a level deeper each time (heads.root_step). In fused
+        # mode it reads the state before the root with the root; in separate mode the root's own state (the draft
+        # pass's) with the backbone's top draft, so it drafts from the second level on
+        state, token, chance = h_last[None], root, 1.0
+        if candidates:
+            token, top = candidates[0][0]
+            chance = calibrator.chance(top, HEADS, 1) if calibrator is not None else top
+        first = len(candidates)
+        for level in range(first, min(depth, first + heads.root_chain)):
+            if chance < (opt.min_draft_score or 0.0):
+                break
+            state, logits = engine.root_step(state, torch.tensor([token], device=device))
+            ids, p = heads.candidates(sampler.draft_scores(logits, heads.root_ids), opt.head_topk,
+                                      noise(root_pos + 1 + level, 1), heads.root_ids)
+            candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
+            token, top = int(ids[0, 0]), float(p[0, 0])
+            chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top
+        if plan.chained_drafting:  # its levels only: heads that know neither token above add nothing worth it
+            return candidates
+    # in fused mode head k predicts the k-th token after the root, in separate mode the (k+1)-th
+    skip = len(candidates) - (1 if backbone is not None else 0)
+    more = min(depth - len(candidates), heads.n_heads - skip)
+    if more > 0:
+        if head_logits is None:  # no forward computed them (eager, or a graph without them: DraftPlan.graph_heads)
+            head_logits = heads.logits(h_last[None], engine.model)[:, 0]
+        ids, p = heads.candidates(sampler.draft_scores(head_logits[skip:skip + more], heads.vocab), opt.head_topk,
+                                  noise(root_pos + 1 + len(candidates), more))
+        candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
+    return candidates

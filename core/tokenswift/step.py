@@ -1,0 +1,91 @@
+"""TokenSwift decoding: draft a token tree, verify it in one forward, accept exactly what the model would write.
+
+Each step:
+1. **Draft** (drafting.py). `fused` (default): the heads read the hidden state of the last accepted node from the
+   previous verification, and the root head reads it with the root itself, so a step costs one forward. `separate`
+   (the paper's): a one-token forward of the root over the partial KV cache gives the backbone's next-token top-1
+   and, through the root head (reading the root's state with that draft) or the heads, the tokens after it.
+2. **Reuse.** The n-gram table proposes continuations keyed by the root and by the first draft token.
+3. **Tree.** All drafts merge into one trie under a node budget (tree.py).
+4. **Verify.** One forward of the whole tree over the full cache with a tree mask. Then walk from the root: at each
+   node draw the model's token exactly as vanilla decoding would at that position (same penalty window of committed +
+   path tokens, same position-keyed randomness), and move to the child holding it; stop where no child does. The
+   walked path and the drawn token after it are the output, so it equals vanilla decoding token for token.
+5. **Commit.** The accepted path's keys/values are compacted in place; the rest of the tree is dropped.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from core.generation.decoding import Generation, Step
+from core.runtime.kv_cache import PartialKVCache
+from core.tokenswift.calibration import DraftCalibrator
+from core.tokenswift.drafting import TokenSwiftEngine, draft_tree
+from core.tokenswift.ngram import NGramTable
+from core.tokenswift.tree import NGRAM
+
+NO_HEADS_NOTICE = "no trained drafting heads for this model: TokenSwift drafts from n-grams only"
+
+
+def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step]:
+    """TokenSwift decoding on `engine` (the engine registers it as "tokenswift")."""
+    plan = engine.plan
+    opt = plan.options.validate()
+    if plan.heads is None:
+        engine.notice(NO_HEADS_NOTICE)
+    device = engine.device
+    cache = gen.new_cache()
+    logits, h = gen.prefill(cache)
+    h_last = h  # the hidden state the heads read: the last position the model has processed
+    head_logits = None  # their logits, if a forward computed them; else drafting computes them when it needs them
+    table = NGramTable(opt.ngram_n)
+    table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
+    partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
+    calibrator = DraftCalibrator() if opt.calibrate else None
+
+    # The first token comes from the prefill, like vanilla decoding's.
+    t0 = time.perf_counter()
+    step = gen.emit([gen.draw(logits)], time.perf_counter() - t0)
+    if step is not None:
+        yield step
+
+    while not gen.stop_reason and not gen.cancelled():
+        t0 = time.perf_counter()
+        root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
+        backbone = None
+        if partial is not None:
+            draft_logits, draft_hidden, draft_heads = engine.forward_with_heads(
+                torch.tensor([root], device=device), torch.tensor([root_pos], device=device), partial)
+            partial.commit()
+            # the backbone drafts the token after the root; the heads, read at the root, the ones after that
+            backbone, h_last = draft_logits[0], draft_hidden[0]
+            head_logits = None if draft_heads is None else draft_heads[:, 0]
+        tree, proposed = draft_tree(engine, gen, head_logits, h_last, backbone, table, calibrator)
+        logits, hidden, tree_heads = engine.forward_with_heads(
+            torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
+        node, path, accepted_nodes = 0, [], []
+        while True:
+            token = gen.draw(logits[node], path)
+            child = tree.children[node].get(token)
+            if child is None:
+                break
+            node = child
+            path.append(token)
+            accepted_nodes.append(node)
+        cache.keep([0] + accepted_nodes)
+        if calibrator is not None:  # every draft whose parent was drawn learns whether it was drawn too
+            calibrator.observe(proposed, path + [token])
+        # fused mode drafts the next step from the last accepted node
+        h_last, head_logits = hidden[node], None if tree_heads is None else tree_heads[:, node]
+        from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)
+        step = gen.emit(path + [token], time.perf_counter() - t0, accepted=len(path), from_ngram=from_ngram,
+                        from_heads=len(path) - from_ngram, tree_size=len(tree))
+        table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
+        if partial is not None:
+            gen.stats["partial_selections"] = partial.selections
+        if step is not None:
+            yield step
+

@@ -1,0 +1,102 @@
+"""Command line: `python -m core generate | bench | cost-curve | train-heads` (see README for every flag)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from core.engine import METHODS
+from core.generation.decoding import GenerationConfig
+from core.generation.text import encode_prompt
+from core.tools.args import add_model_args, add_sampling_args, add_tokenswift_args, load_engine, sampling_from
+from core.tools.bench import add_bench_args, run_bench
+from core.tools.cost_curve import add_cost_curve_args, run_cost_curve
+from core.tools.train_heads import add_train_args, run_training
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give exactly one of --prompt or --prompt-file")
+    text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, method=args.method, sampling=sampling_from(args),
+                              stop_strings=tuple(args.stop or ()), ignore_eos=args.ignore_eos).validate()
+    engine = load_engine(args)
+    prompt_ids = encode_prompt(engine.tokenizer, text, chat=not args.no_chat)
+    gen = engine.generate(prompt_ids, config)
+    bar = tqdm(total=config.max_new_tokens, unit="tok", file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
+    for step in gen:
+        if not args.json:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+        bar.update(len(step.token_ids))
+        bar.set_postfix_str(f"{step.tokens_per_s:.1f} tok/s")
+    bar.close()
+    result = gen.result
+    assert result is not None
+    for notice in engine.notices:
+        print(f"note: {notice}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print()
+        print(f"{result.n_tokens} tokens in {result.decode_s:.2f} s ({result.tokens_per_s:.1f} tok/s, prefill "
+              f"{result.prefill_s:.2f} s); {result.mean_accepted:.2f} tokens/step, α={result.alpha():.3f}; "
+              f"stopped: {result.stop_reason}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m core", description="TokenSwift engine command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, streamed to stdout")
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    g.add_argument("--no-chat", action="store_true", help="feed the prompt as plain text, without the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=512)
+    g.add_argument("--method", choices=list(METHODS), default="tokenswift")
+    g.add_argument("--ignore-eos", action="store_true", help="suppress end-of-sequence: exactly N tokens come out")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, timings, steps)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_args(g)
+    add_sampling_args(g)
+    add_tokenswift_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark decoding methods side by side")
+    add_bench_args(b)
+    add_model_args(b)
+    add_tokenswift_args(b)
+    b.set_defaults(func=run_bench)
+
+    c = sub.add_parser("cost-curve", help="time one forward of n new tokens over L cached ones (eager, compiled)")
+    add_cost_curve_args(c)
+    add_model_args(c)
+    c.set_defaults(func=run_cost_curve)
+
+    t = sub.add_parser("train-heads", help="train the drafting heads by self-distillation")
+    add_train_args(t)
+    t.set_defaults(func=run_training)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.command_line = "python -m core " + shlex.join(argv)  # recorded with a benchmark's figures
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError) as e:
+        # Bad input and load failures end in one readable line, not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
