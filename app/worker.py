@@ -136,6 +136,7 @@ class Worker:
 
     def __init__(self, db: st.Database, model: str | None = None, heads: str | Path | None = "default",
                  device: str | None = None, compile: bool | None = False, worker_id: str | None = None,
+                 weights: str = "auto",
                  poll_s: float = 0.5, *, engine: Engine | None = None, flush_s: float = FLUSH_S,
                  stale_after_s: float = STALE_AFTER_S):
         self.db = db
@@ -144,6 +145,7 @@ class Worker:
             self.model = model or engine.loaded.name
         self.heads = heads
         self.device = device
+        self.weights = weights
         self.compile = compile
         self.worker_id = worker_id or default_worker_id()
         self.poll_s = poll_s
@@ -296,7 +298,7 @@ class Worker:
     def _new_engine(self, compile: bool) -> Engine:
         from core.engine import Engine
 
-        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=compile)
+        engine = Engine.load(self.model, heads=self.heads, device=self.device, compile=compile, weights=self.weights)
         if engine.heads is None:
             engine.notice(NO_HEADS_NOTICE)
         return engine
@@ -308,8 +310,8 @@ class Worker:
             # that were not warmed up are skipped, so without this compiling would not take effect at all).
             self._set_state("compiling", "Compiling the model's graphs (a few minutes)…")
             engine.warm_up(lambda what: self._set_state("compiling", f"Compiling: {what}…"))
-        elif self.compile is None and engine.device.type == "cpu":
-            self._compiling = self._compile_steps()
+        elif self.compile is None and engine.device.type == "cpu" and not engine.model.native:
+            self._compiling = self._compile_steps()  # a native model has nothing to compile
         return engine
 
     def _compile_step(self) -> None:
@@ -693,9 +695,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", default="default",
                    help="drafting heads: 'default' (committed heads of a known model), 'none', or a file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--weights", default=os.environ.get("TOKENSWIFT_WEIGHTS", "auto"),
+                   choices=("auto", "fp32", "bf16", "q8", "q4"),
+                   help="weight format (default: $TOKENSWIFT_WEIGHTS, else auto: the file's own)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the model's graphs before the first run; --no-compile: never (default: on a "
-                        "CPU, compile them while the queue is empty and use them once ready)")
+                   help="compile the model's graphs before the first run; --no-compile: never (default: where a "
+                        "CPU model runs on PyTorch's operators, compile them while the queue is empty)")
     p.add_argument("--worker-id", default=None, help="stable id: a restarted worker with the same id flags the "
                                                      "runs it was killed with as interrupted (default: host:pid)")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between queue polls when idle")
@@ -721,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     heads = None if args.heads == "none" else args.heads
     worker = Worker(db, model=args.model, heads=heads, device=args.device, compile=args.compile,
-                    worker_id=args.worker_id, poll_s=args.poll_s)
+                    worker_id=args.worker_id, poll_s=args.poll_s, weights=args.weights)
     # SIGTERM/SIGINT: finish the current step, save the run as interrupted (resumable), exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from core.generation.decoding import Generation, GenerationConfig, Step, StepFunction, vanilla_steps
 from core.runtime.compiled import CompiledRunner
-from core.runtime.kernels import attention as attention_kernel
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.runtime.loading import LoadedModel, load_model
 from core.runtime.model import Transformer
@@ -41,23 +40,25 @@ class Engine:
         self.model: Transformer = loaded.model
         self.tokenizer = loaded.tokenizer
         self.heads = heads
-        self.options = (options or TokenSwiftOptions()).resolved(self.model.device, compile, heads)
         self.runner: CompiledRunner | None = None
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
-        if self.model.device.type == "cpu" and self.model.dtype == torch.float32:
-            attention_kernel.kernel()  # build or load it now, not inside the first generation
-            # compiled graphs run inductor's GEMMs on the [out, in] weights (faster inside a graph)
-            if not compile and self.model.pack_for_decoding() and heads is not None:
-                heads.pack_for_decoding(self.model)
+        if self.model.native:
+            if heads is not None:
+                heads.to_native()
+            if compile:  # the native decoder is one call of our kernels: no graph would run it faster
+                self.notice("a CPU model runs on its native kernels; compiled graphs are for CUDA")
+                compile = False
+        self.options = (options or TokenSwiftOptions()).resolved(self.model.device, compile, heads)
         if compile:
             self.runner = self._compiled_runner()
 
     @classmethod
     def load(cls, spec: str | None = None, heads: str | Path | None = "default", device: str | None = None,
-             options: TokenSwiftOptions | None = None, compile: bool = False) -> "Engine":
-        """Load a model and its heads: `heads="default"` takes the committed heads for known models if present,
-        None runs without heads (n-gram drafting only), a path loads that file (and must match the model)."""
-        loaded = load_model(spec, device=device)
+             options: TokenSwiftOptions | None = None, compile: bool = False, weights: str = "auto") -> "Engine":
+        """Load a model (`weights`: see load_model) and its heads: `heads="default"` takes the committed heads for
+        known models if present, None runs without heads (n-gram drafting only), a path loads that file (and must
+        match the model)."""
+        loaded = load_model(spec, device=device, weights=weights)
         head_model = None
         if heads == "default":
             path = loaded.default_heads_path()
@@ -73,10 +74,10 @@ class Engine:
         plan, heads, model = self.plan, self.heads, self.model
         extra = side = None
         if heads is not None and plan.graph_heads:
-            heads.lm_weight(model)
+            heads.scorer(model, "lm")
             extra = lambda x: heads.logits(x, model)  # noqa: E731
         if heads is not None and plan.root_drafting:
-            heads.root_lm_weight(model)
+            heads.scorer(model, "root_lm")
             side = lambda h, roots: heads.root_step(h, roots, model)  # noqa: E731
         return CompiledRunner(model, extra=extra, side=side, side_name="the root head")
 

@@ -83,10 +83,19 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def smol_engine():
-    """The real default model (SmolLM2-135M-Instruct, fp32, CPU) with no heads; shared by the whole session."""
+    """The real default model (SmolLM2-135M-Instruct) as it ships, its GGUF's 4- and 8-bit blocks on our CPU
+    kernels, with no heads; shared by the whole session."""
     from core.engine import Engine
 
     return Engine.load("smollm2-135m", heads=None, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smol_fp32():
+    """The default model dequantized to fp32 on our CPU kernels: the numbers transformers computes with."""
+    from core.engine import Engine
+
+    return Engine.load("smollm2-135m", heads=None, device="cpu", weights="fp32")
 
 
 # -- the studio server (tests/test_app_api.py, tests/test_browser.py) ----------------------------------------------

@@ -1,5 +1,8 @@
-"""The losslessness check shared by the tests: TokenSwift's ids must equal vanilla decoding's, and where they ever
-differ the first difference must be a numerical near-tie of the two candidates, never a real disagreement."""
+"""The losslessness check shared by the tests: TokenSwift's ids must equal vanilla decoding's, every one of them.
+
+No tolerance: on the paths we ship every row of a verified tree is computed with the floats of a one-token step
+(core/runtime/kernels/cpu.cpp), so a single differing id is a bug, reported with where it happened and the top-2 gap
+of the processed logits there (which says how close a call it was, not that it is forgiven)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,8 +13,6 @@ from core.engine import Engine
 from core.generation.decoding import GenerationConfig, Result
 from core.generation.sampling import Sampler
 
-NEAR_TIE = 1e-4
-
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
@@ -21,31 +22,29 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def tie_gap(engine: Engine, prompt_ids: list[int], out: list[int], i: int, other: int, config: GenerationConfig) -> float:
-    """Gap between the two candidate tokens' (perturbed) processed logits at output position i, recomputed by a
-    plain causal forward of the common prefix."""
+def top2_gap(engine: Engine, prompt_ids: list[int], out: list[int], i: int, config: GenerationConfig) -> float:
+    """The gap between the two best (perturbed) processed logits at output position i, by a one-token step."""
     seq = prompt_ids + out[:i]
     cache = engine.model.new_cache(len(seq) + 1)
     logits, _ = engine.model(torch.tensor(seq), torch.arange(len(seq)), cache, logits_rows=slice(-1, None))
     banned = engine.model.cfg.eos_token_ids if config.ignore_eos else ()
     sampler = Sampler(config.sampling, engine.model.cfg.vocab_size, banned)
-    window = torch.tensor(seq[-config.sampling.penalty_window:])[None]
-    scores = sampler.scores(logits, window)[0]
+    scores = sampler.scores(logits, torch.tensor(seq[-config.sampling.penalty_window:])[None])[0]
     if not config.sampling.greedy:
         scores = scores + sampler.noise(len(seq), scores.device)
-    return float((scores[out[i]] - scores[other]).abs())
+    top = scores.topk(2).values
+    return float(top[0] - top[1])
 
 
 def check_against(engine: Engine, prompt_ids: list[int], config: GenerationConfig, ar: Result) -> Result:
-    """Run TokenSwift and fail unless its ids equal vanilla decoding's `ar` (up to a near-tie)."""
+    """Run TokenSwift and fail unless its ids equal vanilla decoding's `ar`, all of them."""
     ts = engine.generate(prompt_ids, replace(config, method="tokenswift")).run()
     i = first_divergence(ar.token_ids, ts.token_ids)
     if i is not None:
-        assert i < min(len(ar.token_ids), len(ts.token_ids)), f"lengths differ: {ar.n_tokens} vs {ts.n_tokens}"
-        gap = tie_gap(engine, prompt_ids, ar.token_ids, i, ts.token_ids[i], config)
-        assert gap < NEAR_TIE, (f"TokenSwift diverged from vanilla decoding at output token {i}: "
-                                f"{ar.token_ids[i]} vs {ts.token_ids[i]}, gap {gap:.3g} is not a near-tie")
-        print(f"note: near-tie at output token {i} (gap {gap:.2e}); sequences equal up to it")
+        where = "lengths differ" if i >= min(ar.n_tokens, ts.n_tokens) else (
+            f"{ar.token_ids[i]} vs {ts.token_ids[i]}, top-2 gap there "
+            f"{top2_gap(engine, prompt_ids, ar.token_ids, i, config):.3g}")
+        raise AssertionError(f"TokenSwift diverged from vanilla decoding at output token {i} of {ar.n_tokens}: {where}")
     return ts
 
 

@@ -66,7 +66,7 @@ def test_a_variants_larger_tree_gets_its_graph_compiled(tmp_path: Path) -> None:
     from core.tools.bench import method_engine
     from tests.conftest import make_tiny_checkpoint
 
-    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)))
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), native=False)
     engine = Engine(loaded, None, TokenSwiftOptions(tree_budget=2), compile=True)
     graphs = {m: [what for what, _ in method_engine(engine, m).warm_up_plan()] for m in ("tokenswift", "tokenswift-tree4")}
     assert "the 2-token graph" in graphs["tokenswift"] and "the 4-token graph" not in graphs["tokenswift"]
@@ -109,39 +109,37 @@ def test_unknown_method_is_refused(tiny_model_dir: Path, capsys) -> None:
     assert "unknown method(s) medusa" in capsys.readouterr().err
 
 
-def test_cost_curve_times_eager_and_compiled_forwards(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+def test_cost_curve_times_the_native_decoder_beside_pytorchs(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "c.json"
-    rc = main(["cost-curve", "--model", str(tiny_model_dir), "--compile", "--contexts", "40,100", "--sizes", "1,3",
-               "--repeats", "3", "--json", str(out)])
+    rc = main(["cost-curve", "--model", str(tiny_model_dir), "--weights", "q8", "--torch", "--contexts", "40,100",
+               "--sizes", "1,3", "--repeats", "3", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "| L | n | eager ms | eager ×n=1 | compiled ms | compiled ×n=1 |" in table and "| 100 | 3 |" in table
-    rows = json.loads(out.read_text())["rows"]
+    assert "| L | n | native q8_0 ms | native q8_0 ×n=1 | torch fp32 ms | torch fp32 ×n=1 |" in table
+    assert "| 100 | 3 |" in table
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     assert {(r["mode"], r["context"], r["n"]) for r in rows} == {
-        (m, L, n) for m in ("eager", "compiled") for L in (40, 100) for n in (1, 3)}
+        (m, L, n) for m in ("native q8_0", "torch fp32") for L in (40, 100) for n in (1, 3)}
     assert all(r["ms"] > 0 for r in rows)
     assert all(r["vs_one"] == 1.0 for r in rows if r["n"] == 1)
-    # the memory floor counts the model's real weight matrices and its keys/values at each L
-    assert "Memory floor of a one-token step" in table
-    floor = json.loads(out.read_text())["memory_floor"]
+    # the memory floor counts the bytes of the weights as stored (q8_0 blocks) and the keys/values at each L
+    assert "Memory floor of a one-token step of `native q8_0`" in table
+    floor = report["memory_floor"]
     from core.runtime.loading import load_model
 
-    model = load_model(str(tiny_model_dir)).model
+    model = load_model(str(tiny_model_dir), weights="q8").model
     cfg = model.cfg
-    weights = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) + model.lm_head.weight.numel()
+    layers = [m for block in model.layers for m in (block.wqkv, block.wo, block.w_gate_up, block.w_down)]
+    weights = sum(m.packed.data.numel() + 2 * m.packed.d.numel() for m in [*layers, model.lm_head])
+    assert weights < sum(m.in_features * m.out_features for m in [*layers, model.lm_head]) * 1.1  # ~1 byte each
     assert floor["read_gb_s"] > 0 and [r["context"] for r in floor["rows"]] == [40, 100]
     for r in floor["rows"]:
-        kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * r["context"]
-        assert r["mb"] == round(4 * (weights + kv) / 1e6, 1)
-        assert r["floor_ms"] == pytest.approx(4 * (weights + kv) / (floor["read_gb_s"] * 1e9) * 1000, rel=0.06)
-
-
-def test_cost_curve_times_the_kernels_beside_the_library(tiny_model_dir: Path, capsys) -> None:
-    assert main(["cost-curve", "--model", str(tiny_model_dir), "--contexts", "40", "--sizes", "1,2", "--repeats", "2",
-                 "--matmul-attention", "--library-linear"]) == 0
-    header = ("| L | n | eager ms | eager ×n=1 | eager-matmul ms | eager-matmul ×n=1 | eager-library ms "
-              "| eager-library ×n=1 |")
-    assert header in capsys.readouterr().out
+        kv = 4 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * r["context"]
+        assert r["mb"] == round((weights + kv) / 1e6, 1)
+        assert r["floor_ms"] == pytest.approx((weights + kv) / (floor["read_gb_s"] * 1e9) * 1000, rel=0.06)
+        assert 0 < r["achieved"]
+    assert "q8_0" in report["weights"]
 
 
 def test_cost_curve_refuses_contexts_beyond_the_model(tiny_model_dir: Path, capsys) -> None:

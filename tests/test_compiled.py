@@ -18,7 +18,7 @@ from core.tokenswift.tree import TreeBuilder
 
 
 def test_compiled_graphs_match_eager(tmp_path: Path) -> None:
-    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu")
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu", native=False)
     model = loaded.model
     heads = DraftHeads.initial(model)
     torch.nn.init.normal_(heads.proj[0].weight, std=0.05)
@@ -55,7 +55,8 @@ def test_compiled_graphs_match_eager(tmp_path: Path) -> None:
 
 
 def test_compiled_engine_is_lossless(tmp_path: Path) -> None:
-    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512, initializer_range=0.3)), device="cpu")
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512, initializer_range=0.3)), device="cpu",
+                        native=False)
     engine = Engine(loaded, None, TokenSwiftOptions(tree_budget=8), compile=True)
     engine.runner.sizes = (1, 8)
     engine.warm_up()
@@ -68,7 +69,7 @@ def test_compiled_engine_is_lossless(tmp_path: Path) -> None:
 
 
 def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_levels_only(tmp_path: Path) -> None:
-    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu")
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu", native=False)
     heads = DraftHeads.initial(loaded.model, root_width=16)
     engine = Engine(loaded, heads, compile=True)
     opt = engine.options
@@ -90,7 +91,8 @@ def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_lev
 
 
 def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: Path) -> None:
-    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512, initializer_range=0.3)), device="cpu")
+    loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512, initializer_range=0.3)), device="cpu",
+                        native=False)
     model = loaded.model
     heads = DraftHeads.initial(model, root_width=32)
     torch.nn.init.normal_(heads.root.down.weight, std=0.2)  # a root head that differs from the model's prediction
@@ -125,7 +127,7 @@ def test_compiled_code_is_cached_under_the_model_cache(tmp_path: Path, monkeypat
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu")
+    load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu", native=False)
     cache_dir()  # what torch does on its first compile-related call
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir())
     configure_inductor()

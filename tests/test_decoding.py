@@ -26,7 +26,8 @@ def hf_model():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("penalty", [1.0, 1.2])
-def test_greedy_equals_transformers_generate(smol_engine, hf_model, penalty: float) -> None:
+def test_greedy_equals_transformers_generate(smol_fp32, hf_model, penalty: float) -> None:
+    smol_engine = smol_fp32
     ids = encode_prompt(smol_engine.tokenizer, PROMPT)
     n = 256
     # W covers the whole sequence, so our windowed penalty and HF's whole-history penalty mean the same

@@ -114,13 +114,14 @@ def test_unsupported_architecture_is_refused() -> None:
 
 
 @pytest.mark.slow
-def test_real_smollm2_matches_transformers(smol_engine) -> None:
+def test_real_smollm2_matches_transformers(smol_fp32) -> None:
     from core.runtime.loading import resolve
 
     folder, _ = resolve("smollm2-135m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens, builder = sample_tree(60, 49152)
-    model = smol_engine.model
+    model = smol_fp32.model
+    assert model.native and model.layers[0].wqkv.packed.fmt == "f32"
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
         cache = model.new_cache(128)

@@ -425,10 +425,43 @@ def test_compile_reports_its_own_state(db, tiny_engine, monkeypatch):
     assert states[2][1] == "Compiling: the 1-token graph…"
 
 
+@pytest.fixture
+def without_kernels():
+    """Our CPU kernels switched off (TOKENSWIFT_KERNELS=off): models run on PyTorch's operators, as where the kernels
+    cannot be built; there compiled graphs are what makes them fast."""
+    import os
+
+    from core.runtime.kernels import cpu
+
+    before = os.environ.get("TOKENSWIFT_KERNELS")
+    os.environ["TOKENSWIFT_KERNELS"] = "off"
+    cpu.kernel.cache_clear()
+    yield
+    if before is None:
+        del os.environ["TOKENSWIFT_KERNELS"]
+    else:
+        os.environ["TOKENSWIFT_KERNELS"] = before
+    cpu.kernel.cache_clear()
+
+
+def test_auto_compile_compiles_nothing_for_a_model_on_the_cpu_kernels(db, book, tiny_model_dir, one_thread):
+    run = queue_chapter_run(db, book[1].id, "generate", {"max_new_tokens": 8, "ignore_eos": True},
+                            model=str(tiny_model_dir))
+    w = Worker(db, model=str(tiny_model_dir), heads=None, device="cpu", compile=None, worker_id="n", poll_s=0.05)
+    assert w.ensure_engine().model.native and w._compiling is None
+    w.start()
+    try:
+        wait_for(lambda: st.get_run(db, run.id).status == "done", timeout=120, what="the run")
+    finally:
+        assert w.stop(timeout=60)
+    assert w.engine.runner is None and "compil" not in st.get_worker_states(db)[0].message
+
+
 def test_auto_compile_starts_eagerly_and_swaps_in_graphs_built_while_idle(db, book, tiny_model_dir, one_thread,
-                                                                         monkeypatch):
-    """compile=None on a CPU: the first run starts right after loading, eagerly; the graphs compile one at a time
-    while the queue is empty (the worker stays "ready" and says so); runs after the swap use them."""
+                                                                         without_kernels, monkeypatch):
+    """compile=None on a CPU model on PyTorch's operators: the first run starts right after loading, eagerly; the
+    graphs compile one at a time while the queue is empty (the worker stays "ready" and says so); runs after the
+    swap use them."""
     seen = []  # (state, message, whether the worker's engine is compiled): read when the state is written
     real = st.set_worker_state
 
@@ -465,7 +498,7 @@ def test_auto_compile_starts_eagerly_and_swaps_in_graphs_built_while_idle(db, bo
 
 
 def test_a_failed_background_compile_leaves_the_worker_eager_and_says_why(db, book, tiny_model_dir, one_thread,
-                                                                        tmp_path):
+                                                                        without_kernels, tmp_path):
     import shutil
 
     model = str(shutil.copytree(tiny_model_dir, tmp_path / "model"))
@@ -484,7 +517,8 @@ def test_a_failed_background_compile_leaves_the_worker_eager_and_says_why(db, bo
     assert eager.notices[-1].startswith("the model's graphs did not compile (") and "eagerly" in eager.notices[-1]
 
 
-def test_no_background_compile_without_memory_for_a_second_copy(db, tiny_model_dir, one_thread, monkeypatch):
+def test_no_background_compile_without_memory_for_a_second_copy(db, tiny_model_dir, one_thread, without_kernels,
+                                                                monkeypatch):
     import psutil
 
     w = Worker(db, model=str(tiny_model_dir), heads=None, device="cpu", compile=None, worker_id="m", poll_s=0.05)

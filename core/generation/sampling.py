@@ -4,9 +4,9 @@ position-keyed draw.
 Every decoder turns logits into a token the same way: `choose(process(logits, window), position)`. The random
 part of a draw at sequence position t depends only on (seed, t): Gumbel noise from a generator seeded by a hash of
 both, added to the processed logits, then argmax (the Gumbel-max trick samples exactly softmax(logits / T) over the
-tokens that survive filtering). So any decoder that computes the same distribution at position t emits the same
-token — vanilla decoding and TokenSwift's tree verification agree token for token, and a draw that differs can only
-come from a numerical near-tie of two perturbed logits.
+tokens that survive filtering). So any decoder that computes the same logits at position t emits the same token:
+vanilla decoding and TokenSwift's tree verification agree token for token wherever the model gives a verified row
+the floats of a one-token step (what the CPU kernels guarantee, core/runtime/kernels/cpu.cpp).
 """
 from __future__ import annotations
 

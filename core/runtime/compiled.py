@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.runtime.kv_cache import KVCache, PartialKVCache
-from core.runtime.model import Transformer, attention, rotate
+from core.runtime.model import Transformer, Visibility, attention, rotate
 from core.runtime.paths import cache_root
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
-# The cache and attention bias of the forward in progress. The graph cannot take them as inputs (a Python object,
+# The cache and visibility of the forward in progress. The graph cannot take them as inputs (a Python object,
 # and a tensor whose shape changes every step), so the attention op reads them here. One forward runs at a time per
 # process.
 _ACTIVE: dict[str, object] = {}
@@ -35,7 +35,7 @@ _ACTIVE: dict[str, object] = {}
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
     cache = _ACTIVE["cache"]
     keys, values = cache.write(layer, q, k, v)  # type: ignore[attr-defined]
-    out = attention(q, keys, values, _ACTIVE["bias"])  # type: ignore[arg-type]
+    out = attention(q, keys, values, _ACTIVE["seen"])  # type: ignore[arg-type]
     return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
@@ -181,9 +181,10 @@ class CompiledRunner:
                                                                                 device=tokens.device).tril_()
             block_mask = full
         cache.begin(size)
-        bias = self.model.attention_bias(cache, size, block_mask, positions)
+        seen = Visibility(cache.visible_past(), block_mask, self.model.cfg.sliding_window,
+                          self.model.attention_bias(cache, size, block_mask, positions))
         cos, sin = self.model.rope(positions)
-        _ACTIVE["cache"], _ACTIVE["bias"] = cache, bias
+        _ACTIVE["cache"], _ACTIVE["seen"] = cache, seen
         try:
             logits, hidden, extra = self._fn(tokens, cos, sin)
         finally:

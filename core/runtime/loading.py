@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from core.runtime.gguf_weights import build_native_model
+from core.runtime.kernels.cpu import HEAD_SIZES, kernel
 from core.runtime.model import ModelConfig, Transformer, build_model
 from core.runtime.paths import ASSETS, cache_root
 
@@ -65,23 +67,55 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_dtype(device: str | torch.device) -> torch.dtype:
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+WEIGHTS = ("auto", "fp32", "bf16", "q8", "q4")
+FORMATS = {"fp32": "f32", "q8": "q8_0", "q4": "q4_1"}  # --weights -> the CPU kernels' format
 
 
-def load_model(spec: str | None = None, device: str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
-    """Resolve `spec` (default: env TOKENSWIFT_MODEL, else smollm2-135m) and load it onto `device`."""
+def load_model(spec: str | None = None, device: str | None = None, weights: str = "auto",
+               native: bool = True) -> LoadedModel:
+    """Resolve `spec` (default: env TOKENSWIFT_MODEL, else smollm2-135m) and load it onto `device`.
+
+    `weights`: `auto` runs the file's own format (a GGUF's blocks on a CPU, else fp32; bf16 on CUDA), `fp32` and
+    `bf16` dequantized, `q8` / `q4` quantized on load (q8_0 / q4_1, CPU only). On a CPU the model runs natively
+    (Transformer.to_native) unless `native` is False or the kernels cannot be built (bf16 never does).
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     spec = spec or os.environ.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL
     device = device or default_device()
-    dtype = dtype or default_dtype(device)
+    cpu = torch.device(device).type == "cpu"
+    if not cpu and weights in ("q8", "q4"):
+        raise ValueError(f"--weights {weights} runs on the CPU kernels; on {device} use auto, fp32 or bf16")
     folder, source = resolve(spec)
-    hf_config, state_dict = read_checkpoint(folder)
+    hf_config = read_config(folder)
     try:
         cfg = ModelConfig.from_hf(hf_config)
     except ValueError as e:
         raise ModelLoadError(f"{spec}: {e}") from None
-    model = build_model(cfg, state_dict, device=device, dtype=dtype)
+    native = native and cpu and weights != "bf16" and cfg.head_dim in HEAD_SIZES and kernel() is not None
+    gguf = gguf_source(folder)
+    if native and weights == "auto" and gguf is not None:
+        try:
+            model = build_native_model(cfg, gguf)
+        except ValueError as e:
+            raise ModelLoadError(f"{spec}: {e}") from None
+        return LoadedModel(spec, model, load_tokenizer(folder), cfg, f"{source}, as stored")
+    dtype = torch.bfloat16 if weights == "bf16" or (weights == "auto" and not cpu) else torch.float32
+    model = build_model(cfg, read_weights(folder), device=device, dtype=dtype)
+    if native:
+        fmt = FORMATS.get(weights, "f32")
+        model.to_native(fmt)
+        source += f", {fmt}"
     return LoadedModel(spec, model, load_tokenizer(folder), cfg, source)
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a conversion folder was made from, if it still exists."""
+    try:
+        path = Path(json.loads((folder / MANIFEST).read_text())["source"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return path if path.is_file() else None
 
 
 def resolve(spec: str) -> tuple[Path, str]:
@@ -189,14 +223,18 @@ def converted_gguf(gguf: Path, name: str) -> Path:
 
 # --- reading a checkpoint folder ---------------------------------------------------------------------------------
 
-def read_checkpoint(folder: Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
+def read_config(folder: Path) -> Any:
+    from transformers import AutoConfig  # slow to import; only loads need it
 
     try:
-        hf_config = AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder)
     except Exception as e:
         raise ModelLoadError(f"{folder}: unreadable config.json ({e})") from None
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     files = sorted(folder.glob("*.safetensors"))
     if files:
         state: dict[str, torch.Tensor] = {}
@@ -206,7 +244,7 @@ def read_checkpoint(folder: Path) -> tuple[Any, dict[str, torch.Tensor]]:
         state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
         raise ModelLoadError(f"{folder}: no *.safetensors or pytorch_model.bin weights")
-    return hf_config, state
+    return state
 
 
 def load_tokenizer(folder: Path) -> Any:

@@ -5,6 +5,11 @@ new-token block, so the same code runs a prefill, a one-token step, or a whole t
 logits of the rows asked for and the pre-final-norm hidden state of every new token (the multi-token heads read
 it). Weights follow Hugging Face names on load, fused into one QKV and one gate/up matrix per layer so a step
 does fewer, larger matrix products.
+
+Two ways to run it: PyTorch's operators (any device and dtype; CUDA, compiled graphs), or, on a CPU in float32,
+native: packed weights in fp32, q8_0 or q4_1 (core/runtime/weights.py) and the whole decoder stack in one call of
+our kernels (core/runtime/kernels/cpu.cpp), where every row is computed alike whatever rows share the forward and
+wherever its keys sit in the cache. `to_native` switches a model over.
 """
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.runtime.kernels import attention as attention_kernel
-from core.runtime.kernels import linear as linear_kernel
+from core.runtime.kernels import cpu
 from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.runtime.weights import NativeLinear, PackedWeight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -159,60 +164,58 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
-    """Attention of q [heads, n, d] over keys/values [kv_heads, L, d]; `bias` [group * n, L] is the additive mask of
-    Transformer.attention_bias (None: everything visible).
+@dataclass
+class Visibility:
+    """What a forward's new tokens see: the `past` committed keys, then the new block's keys as `block_mask` allows
+    (None: causally), within a sliding `window` (None: everything). `bias` says the same as an additive mask
+    [group * n, keys] for PyTorch's attention (Transformer.attention_bias; None there: everything visible)."""
+
+    past: int
+    block_mask: Tensor | None
+    window: int | None
+    bias: Tensor | None = None
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, seen: Visibility) -> Tensor:
+    """Attention of q [heads, n, d] over keys/values [kv_heads, L, d].
 
     The query heads that share a KV head are folded into its rows ([kv_heads, group * n, d]), so grouped-query
     attention needs no copies of the keys (PyTorch's `enable_gqa` path falls back to a slow kernel on CPU). On a
-    float32 CPU our kernel (core/runtime/kernels/attention.py) runs it, reading every key once for all the rows;
-    elsewhere two matrix products or PyTorch's fused kernel.
+    float32 CPU with keys stored transposed our kernel runs it, each row over its keys in logical order; elsewhere
+    two matrix products or PyTorch's fused kernel.
     """
     h, n, d = q.shape
     kv = keys.shape[0]
     qg = q.reshape(kv, (h // kv) * n, d)
-    out = attention_kernel.attend(qg, keys, values, bias, d**-0.5)
-    if out is not None:
-        return out.view(h, n, d)
+    if native_attention(q, keys):
+        return cpu.attend(qg, keys, values, n, seen.past, seen.block_mask, seen.window, d**-0.5).view(h, n, d)
     if q.device.type == "cpu":
-        if bias is None:
+        if seen.bias is None:
             scores = torch.matmul(qg, keys.transpose(1, 2)).mul_(d**-0.5)
         else:
-            scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=d**-0.5)
+            scores = torch.baddbmm(seen.bias, qg, keys.transpose(1, 2), alpha=d**-0.5)
         out = torch.matmul(scores.softmax(-1), values)
     else:
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=seen.bias)
     return out.view(h, n, d)
 
 
-class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight is stored as the few-row CPU kernel's tiles (core/runtime/kernels/linear.py).
+def native_attention(q: Tensor, keys: Tensor) -> bool:
+    """Whether our CPU kernel runs this attention: float32 on a CPU, keys stored transposed, a head size it has."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and keys.stride(1) == 1
+            and q.shape[-1] in cpu.HEAD_SIZES and not torch.compiler.is_compiling() and cpu.kernel() is not None)
 
-    Eager decoding steps run the kernel (the library's products handle a few rows badly); more rows (a prefill) unpack
-    the weight for the library's GEMM, a copy per call that costs little next to the GEMM. `keep_weight` keeps the
-    [out, in] weight too (an lm_head tied to the embedding, or whose rows the drafting heads read). Compiled engines
-    do not pack (Engine): inside a graph inductor's own GEMMs on plain weights serve, and a traced PackedLinear only
-    unpacks.
-    """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, keep_weight: bool = False):
+class NativeEmbedding(nn.Module):
+    """Token embeddings read from a packed weight's rows (the tied lm_head's): one copy of the table, in its own
+    format; a q8_0 row dequantizes exactly as a GGUF reader does it."""
+
+    def __init__(self, weight: PackedWeight):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", linear_kernel.pack(weight), persistent=False)
-        self.weight = weight if keep_weight else None
-        self.bias = bias
+        self.table = weight
 
-    @classmethod
-    def of(cls, layer: nn.Linear, keep_weight: bool = False) -> "PackedLinear":
-        return cls(layer.weight, layer.bias, keep_weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not torch.compiler.is_compiling():
-            out = linear_kernel.linear(x, self.packed, self.bias, self.out_features)
-            if out is not None:
-                return out
-        weight = self.weight if self.weight is not None else linear_kernel.unpack(self.packed, self.out_features)
-        return F.linear(x, weight, self.bias)
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.table.dequantize_rows(ids)
 
 
 class Block(nn.Module):
@@ -228,7 +231,7 @@ class Block(nn.Module):
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | PartialKVCache, layer: int,
-                bias: Tensor | None) -> Tensor:
+                seen: Visibility) -> Tensor:
         cfg = self.cfg
         n = x.shape[0]
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -237,7 +240,7 @@ class Block(nn.Module):
         k = rotate(k.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1), cos, sin)
         v = v.view(n, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
         keys, values = cache.write(layer, q, k, v)
-        out = attention(q, keys, values, bias)
+        out = attention(q, keys, values, seen)
         x = x + self.wo(out.transpose(0, 1).reshape(n, q_dim))
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
@@ -255,26 +258,34 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         # A plain attribute, not a buffer: it must stay fp32 when the weights move to bf16.
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
+        self._rope_table: tuple[Tensor, Tensor] | None = None
+        self.native = False  # set by to_native
+        self._native_args: tuple[list[Tensor], list[Tensor], list[int]] | None = None  # the stack's weights, listed
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
-    def pack_for_decoding(self) -> bool:
-        """Store the weight matrices as the few-row CPU kernel's tiles (PackedLinear), which decoding steps then
-        run on; False (nothing done) where the kernel does not apply (not float32 on a CPU, no compiler)."""
-        if self.device.type != "cpu" or self.dtype != torch.float32 or linear_kernel.kernel() is None:
+    def to_native(self, fmt: str = "f32") -> bool:
+        """Pack every weight matrix in `fmt` (f32, q8_0, q4_1) for our CPU kernels and run the decoder natively from
+        then on; False (nothing done) where they do not apply (not float32 on a CPU, a head size without an
+        attention kernel, no compiler). Matrices that are native already keep their format (a GGUF's own blocks)."""
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or self.cfg.head_dim not in cpu.HEAD_SIZES
+                or cpu.kernel() is None):
             return False
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 if isinstance(getattr(block, name), nn.Linear):
-                    setattr(block, name, PackedLinear.of(getattr(block, name)))
+                    setattr(block, name, NativeLinear.of(getattr(block, name), fmt))
         if isinstance(self.lm_head, nn.Linear):
-            self.lm_head = PackedLinear.of(self.lm_head, keep_weight=True)  # the embedding and the heads read its rows
+            self.lm_head = NativeLinear.of(self.lm_head, fmt)
+            if self.cfg.tie_embeddings:  # one table: the embedding reads the lm_head's rows
+                self.embed = NativeEmbedding(self.lm_head.packed)
+        self.native, self._native_args = True, None
         return True
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -282,17 +293,30 @@ class Transformer(nn.Module):
         return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len, self.dtype, self.device)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin rows [n, head_dim] of the rotary embedding at these positions, from a table computed once
+        (grown as positions grow): a position's row is the same floats in every forward."""
+        top = int(positions.max()) + 1
+        have = 0 if self._rope_table is None else self._rope_table[0].shape[0]
+        if have < top:
+            self._rope_table = self._rope_rows(have, max(top, 2 * have, 4096))
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
+
+    def _rope_rows(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """The table up to `end`: rows from `start` on computed, the ones before kept as they are."""
         # Angles in fp32 (large positions lose precision in bf16), then cast like Hugging Face does.
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.arange(start, end, device=self.device).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
-        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        cos, sin = (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        if self._rope_table is not None:
+            cos, sin = torch.cat([self._rope_table[0], cos]), torch.cat([self._rope_table[1], sin])
+        return cos, sin
 
     def attention_bias(self, cache: KVCache | PartialKVCache, n: int, block_mask: Tensor | None,
                        positions: Tensor) -> Tensor | None:
         """The cache's attention mask for n new tokens in additive form (0 visible, -inf hidden), each row repeated
-        for the query heads that share a KV head: [group * n, L], or None when all is visible. Built once per
-        forward, not once per layer: on a CPU a masked score matrix then costs one fused multiply-add (baddbmm)
-        instead of a mask copy and a masked fill per layer, a quarter of a 2-token attention at 8K cached tokens."""
+        for the query heads that share a KV head: [group * n, L], or None when all is visible (PyTorch's attention).
+        Built once per forward, not once per layer: a masked score matrix then costs one fused multiply-add."""
         mask = cache.attention_mask(n, block_mask, positions, self.cfg.sliding_window)
         if mask is None:
             return None
@@ -309,11 +333,36 @@ class Transformer(nn.Module):
         """
         n = tokens.shape[0]
         cache.begin(n)
-        bias = self.attention_bias(cache, n, block_mask, positions)
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
+        if self.native and isinstance(cache, KVCache):
+            return self._native_stack(x, cos, sin, cache, block_mask)
+        seen = Visibility(cache.visible_past(), block_mask, self.cfg.sliding_window)
+        if not native_attention(x.new_empty(1, 1, self.cfg.head_dim), cache.k[0]):  # PyTorch's attention: a mask
+            seen.bias = self.attention_bias(cache, n, block_mask, positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, bias)
+            x = layer(x, cos, sin, cache, i, seen)
+        return x
+
+    def _native_stack(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, block_mask: Tensor | None) -> Tensor:
+        """The decoder stack in one call of our CPU kernels (kernels/cpu.cpp: decoder), keys and values written into
+        the cache at its committed length."""
+        cfg = self.cfg
+        if self._native_args is None:
+            norms, lin, meta = [], [], []
+            for block in self.layers:
+                norms += [block.attn_norm.weight.contiguous(), block.mlp_norm.weight.contiguous()]
+                for layer in (block.wqkv, block.wo, block.w_gate_up, block.w_down):
+                    code, data, d, m, bias, n_out = layer.args
+                    lin += [data, d, m, bias]
+                    meta += [code, n_out]
+            self._native_args = (norms, lin, meta)
+        norms, lin, meta = self._native_args
+        visible = block_mask.contiguous() if block_mask is not None else x.new_empty(0, dtype=torch.bool)
+        x = x.float().contiguous()
+        cpu.kernel().decoder(x, cos, sin, cache.k.transpose(2, 3), cache.v, cache.length, visible,
+                             cfg.sliding_window or 0, norms, lin, meta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                             cfg.rms_eps, cfg.head_dim**-0.5)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:

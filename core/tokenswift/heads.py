@@ -29,7 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from core.runtime.model import PackedLinear, RMSNorm, Transformer
+from core.runtime.model import RMSNorm, Transformer
+from core.runtime.weights import NativeLinear
 
 FORMAT = "tokenswift-heads/1"
 
@@ -68,9 +69,8 @@ class DraftHeads(nn.Module):
         self.root = RootHead(hidden_size, root_width, eps, root_ids) if root_width else None
         self.root_chain = 1  # levels the root head drafts, reading its own state back (trained so: train_heads)
         self.register_buffer("vocab", vocab if vocab is not None else torch.empty(0, dtype=torch.long))
-        self._lm_rows: Tensor | None = None
-        self._root_lm_rows: Tensor | None = None
-        self._packed: dict[str, PackedLinear] = {}  # "lm" / "root_lm": the rows above as kernel tiles (eager CPU)
+        # "lm" / "root_lm": the model and the lm_head rows each scores there, a layer (native) or a weight [V', hidden]
+        self._scorers: dict[str, tuple[Transformer, NativeLinear | Tensor]] = {}
 
     @classmethod
     def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None,
@@ -95,15 +95,13 @@ class DraftHeads(nn.Module):
         nn.init.zeros_(root.down.bias)
         root.norm_out.weight.data.copy_(model.norm.weight.detach().float())
         self.root = root.to(device=model.device, dtype=model.dtype)
-        self._root_lm_rows = None
-        self._packed.pop("root_lm", None)
+        self._scorers.pop("root_lm", None)
 
     def keep_root_ids(self, ids: Tensor) -> None:
         """Restrict the root head to these token ids (sorted, within the heads' vocabulary)."""
         assert self.root is not None, "these heads have no root head"
         self.root.ids = ids.to(self.vocab.device)
-        self._root_lm_rows = None
-        self._packed.pop("root_lm", None)
+        self._scorers.pop("root_lm", None)
 
     @property
     def root_ids(self) -> Tensor:
@@ -119,20 +117,26 @@ class DraftHeads(nn.Module):
             out.append(self.norm_out[k](h))
         return out
 
-    def lm_weight(self, model: Transformer) -> Tensor:
-        """The lm_head rows the heads score: the whole vocabulary, or the subset (cached)."""
-        if self.vocab.numel() == 0:
-            return model.lm_head.weight
-        if self._lm_rows is None or self._lm_rows.device != model.device:
-            self._lm_rows = model.lm_head.weight[self.vocab].contiguous()
-        return self._lm_rows
+    def scorer(self, model: Transformer, which: str = "lm") -> NativeLinear | Tensor:
+        """The lm_head rows the heads (`lm`) or the root head (`root_lm`) score, built once: on a native model a
+        layer of those rows in the lm_head's own format (the same numbers), else a weight [V', hidden]."""
+        cached = self._scorers.get(which)
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        ids = self.vocab if which == "lm" else self.root_ids
+        if isinstance(model.lm_head, NativeLinear):
+            found = model.lm_head.rows(ids) if ids.numel() else model.lm_head
+        else:
+            found = model.lm_head.weight[ids].contiguous() if ids.numel() else model.lm_head.weight
+        self._scorers[which] = (model, found)
+        return found
 
     def logits(self, h0: Tensor, model: Transformer) -> Tensor:
         """[n_heads, n, V'] logits over the heads' vocabulary (fp32), for hidden states h0 [n, hidden]."""
         n = h0.shape[0]
         # one matrix product for all heads: the lm_head rows are read once
         states = torch.cat(self.states(h0))
-        return self._score(states, "lm", self.lm_weight(model)).view(self.n_heads, n, -1)
+        return self._score(states, self.scorer(model, "lm")).view(self.n_heads, n, -1)
 
     def root_logits(self, h0: Tensor, roots: Tensor, model: Transformer) -> Tensor:
         """[n, len(root_ids)] logits of the root head for hidden states h0 [n, hidden] followed by the tokens
@@ -144,38 +148,21 @@ class DraftHeads(nn.Module):
         (`root_chain` > 1) reads that state back with the token drafted from the logits, one level deeper."""
         assert self.root is not None, "these heads have no root head"
         state = self.root(h0, model.embed(roots))
-        return state, self._score(self.root.norm_out(state), "root_lm", self.root_lm_weight(model))
+        return state, self._score(self.root.norm_out(state), self.scorer(model, "root_lm"))
 
-    def _score(self, states: Tensor, packed: str, rows: Tensor) -> Tensor:
-        """fp32 logits of post-norm states over lm_head `rows`, through their kernel tiles if packed."""
-        lm = self._packed.get(packed)
-        return (lm(states) if lm is not None else torch.nn.functional.linear(states, rows)).float()
+    @staticmethod
+    def _score(states: Tensor, rows: NativeLinear | Tensor) -> Tensor:
+        """fp32 logits of post-norm states over lm_head rows."""
+        return (rows(states) if isinstance(rows, NativeLinear) else nn.functional.linear(states, rows)).float()
 
-    def pack_for_decoding(self, model: Transformer) -> None:
-        """Store the heads' matrices, and the lm_head rows they score, as the few-row CPU kernel's tiles, as
-        Transformer.pack_for_decoding stores the model's (an eager float32 CPU engine calls both): for one row the
-        kernel reads each weight once where the library's product is far slower. The rows stay plain too, for more
-        rows than the kernel takes."""
+    def to_native(self) -> None:
+        """Run the heads' own matrices on the CPU kernels in fp32, as a native model runs its (the lm_head rows they
+        score follow the model: `scorer`)."""
         for k in range(self.n_heads):
             if isinstance(self.proj[k], nn.Linear):
-                self.proj[k] = PackedLinear.of(self.proj[k])
-
-        def rows(weight: Tensor) -> PackedLinear:  # the whole lm_head is packed already (with the model)
-            whole = isinstance(model.lm_head, PackedLinear) and weight is model.lm_head.weight
-            return model.lm_head if whole else PackedLinear(weight, keep_weight=True)
-
-        self._packed["lm"] = rows(self.lm_weight(model))
-        if self.root is not None:
-            if isinstance(self.root.up, nn.Linear):
-                self.root.up, self.root.down = PackedLinear.of(self.root.up), PackedLinear.of(self.root.down)
-            self._packed["root_lm"] = rows(self.root_lm_weight(model))
-
-    def root_lm_weight(self, model: Transformer) -> Tensor:
-        """The lm_head rows the root head scores (cached)."""
-        ids = self.root_ids
-        if self._root_lm_rows is None or self._root_lm_rows.device != model.device:
-            self._root_lm_rows = model.lm_head.weight[ids].contiguous() if ids.numel() else model.lm_head.weight
-        return self._root_lm_rows
+                self.proj[k] = NativeLinear.of(self.proj[k], "f32")
+        if self.root is not None and isinstance(self.root.up, nn.Linear):
+            self.root.up, self.root.down = NativeLinear.of(self.root.up, "f32"), NativeLinear.of(self.root.down, "f32")
 
     def candidates(self, scores: Tensor, k: int, noise: Tensor | None = None,
                    ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -207,7 +194,9 @@ def model_fingerprint(model: Transformer) -> str:
     cfg = model.cfg
     arch = json.dumps([cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                        cfg.intermediate_size, cfg.rope_theta])
-    rows = model.embed.weight[:: max(1, cfg.vocab_size // 64)][:64].detach().to("cpu", torch.bfloat16)
+    ids = torch.arange(0, cfg.vocab_size, max(1, cfg.vocab_size // 64), device=model.device)[:64]
+    with torch.inference_mode():  # the rows as any embedding (a native model's packed table too) looks them up
+        rows = model.embed(ids).detach().to("cpu", torch.bfloat16)
     return hashlib.sha256(arch.encode() + rows.view(torch.int16).numpy().tobytes()).hexdigest()[:24]
 
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from core.engine import Engine
 from core.generation.sampling import PRESETS, SamplingSettings
+from core.runtime.loading import WEIGHTS
 from core.tokenswift.options import TokenSwiftOptions
 
 
@@ -14,7 +15,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", default="default",
                    help="drafting heads: 'default' (committed heads of a known model), 'none', or a file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--compile", action="store_true", help="run the model through compiled fixed-size graphs")
+    p.add_argument("--compile", action="store_true",
+                   help="run the model through compiled fixed-size graphs (CUDA; a CPU runs its native kernels)")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="weight format: auto (the file's own: a GGUF's blocks on a CPU, bf16 on CUDA), fp32, bf16, "
+                        "or q8 / q4 quantized on load (CPU)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -70,4 +75,5 @@ def options_from(args: argparse.Namespace) -> TokenSwiftOptions:
 def load_engine(args: argparse.Namespace) -> Engine:
     """The engine the model flags describe."""
     heads = None if args.heads == "none" else args.heads
-    return Engine.load(args.model, heads=heads, device=args.device, options=options_from(args), compile=args.compile)
+    return Engine.load(args.model, heads=heads, device=args.device, options=options_from(args), compile=args.compile,
+                       weights=args.weights)

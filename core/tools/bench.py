@@ -37,7 +37,7 @@ from core.generation.text import encode_prompt
 from core.runtime.loading import resolve
 from core.runtime.paths import ASSETS
 from core.tokenswift.options import GAMMA
-from core.tools.args import options_from
+from core.tools.args import load_engine
 from core.tools.hardware import hardware, run_report
 
 # TokenSwift variants: the engine's options they change (None: drop the heads; drafting from n-grams only)
@@ -311,9 +311,7 @@ def run_bench(args: argparse.Namespace) -> int:
     prompts = prompts[: args.n_prompts] if args.n_prompts else prompts
     if not prompts:
         raise ValueError(f"no prompts in {args.prompts}")
-    heads = None if args.heads == "none" else args.heads
-    engine = Engine.load(args.model, heads=heads, device=args.device, options=options_from(args),
-                         compile=args.compile)
+    engine = load_engine(args)
     ours = [method_engine(engine, m) for m in methods if not m.startswith("hf")] or [engine]
     if args.compile:  # every method's graphs (a variant's larger tree needs a larger one), before any timing
         seconds = sum(e.warm_up() for e in ours)

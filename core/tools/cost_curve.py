@@ -2,18 +2,16 @@
 
 TokenSwift replaces several one-token forwards by one forward of a token tree, so it pays exactly where verifying
 n tokens costs little more than one: with a mean of a tokens accepted per step (bonus included), a tree of n nodes
-can at best reach a / c(n) of vanilla decoding's speed, c(n) being the cost of n tokens relative to one. On a GPU
-c(n) stays near 1 up to dozens of tokens; on a CPU it grows at once. `python -m core cost-curve` measures c(n, L)
-for the eager model and, with `--compile`, for the compiled graphs, side by side in one process (sizes and modes
-alternate within every repeat), and prints a markdown table plus JSON. `--matmul-attention` times each mode a
-second time with attention as two matrix products instead of the CPU attention kernel; `--library-linear` times the
-eager model a second time on an unpacked copy of its weights, with MKL's matrix products instead of the few-row CPU
-linear kernel (compiled graphs use inductor's GEMMs either way); side by side too.
+can at best reach a / c(n) of vanilla decoding's speed, c(n) being the cost of n tokens relative to one.
+`python -m core cost-curve` measures c(n, L) for the engine's decoder (native on a CPU, in the weights' format;
+compiled graphs with `--compile` on CUDA) and, with `--torch`, for the same model on PyTorch's operators in fp32,
+side by side in one process (sizes and modes alternate within every repeat); it prints a markdown table plus JSON.
 
 On a CPU it also prints each context's memory floor: a one-token step must read every weight matrix and the cached
 keys and values once, so it cannot take less than those bytes over the rate at which this machine reads memory
-(timed between the forwards, as a sum over a buffer far larger than the caches; the median). A step near its floor
-leaves nothing to gain but reading fewer bytes; verifying more tokens per read is then all TokenSwift can add.
+(timed between the forwards, as a sum over a buffer far larger than the caches; the median), and the share of that
+rate a one-token step achieves. A step near its floor leaves nothing to gain but reading fewer bytes; verifying more
+tokens per read is then all TokenSwift can add.
 """
 from __future__ import annotations
 
@@ -29,20 +27,19 @@ import torch
 
 from core.engine import Engine
 from core.generation.decoding import PREFILL_CHUNK
-from core.runtime.kernels import attention as attention_kernel
 from core.runtime.kv_cache import KVCache
 from core.runtime.loading import load_model
+from core.runtime.model import Transformer
+from core.runtime.weights import NativeLinear
 from core.tools.hardware import hardware, run_report
 
 
 def add_cost_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="1024,4096,7000", help="cached tokens L, comma-separated")
-    p.add_argument("--sizes", default="1,2,3,4,6,8", help="new tokens n per forward, comma-separated")
+    p.add_argument("--sizes", default="1,2,4,8,16", help="new tokens n per forward, comma-separated")
     p.add_argument("--repeats", type=int, default=15, help="timed forwards per (L, n, mode); the median is reported")
-    p.add_argument("--matmul-attention", action="store_true",
-                   help="also time each mode with attention as two matrix products instead of the CPU kernel")
-    p.add_argument("--library-linear", action="store_true",
-                   help="also time the eager model with MKL's matrix products instead of the few-row CPU kernel")
+    p.add_argument("--torch", action="store_true",
+                   help="also time the model on PyTorch's operators with fp32 weights (the path before our kernels)")
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--markdown", default=None, metavar="JSON",
                    help="print a saved run (a --json file) as the README shows it, and exit")
@@ -69,44 +66,37 @@ def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: i
 
 
 @torch.inference_mode()
-def measure(engine: Engine, model: Any, contexts: list[int], sizes: list[int], repeats: int,
-            progress: Callable[[str], None] = lambda _: None, matmul_attention: bool = False,
-            library_model: Any = None, read_rate: ReadRate | None = None) -> list[dict[str, Any]]:
-    """Median milliseconds per (mode, L, n); modes are 'eager' (`model`, as eager decoding runs it) and, if the
-    engine compiles, 'compiled', each also with matrix-product attention ('eager-matmul', 'compiled-matmul') if
-    `matmul_attention`, and 'eager-library' (`library_model`: weights not packed, MKL's products) if given.
-    `read_rate`, if given, samples the memory's read rate once per repeat, between the forwards."""
-    device = engine.device
-    vocab = model.cfg.vocab_size
-    modes: dict[str, Callable[..., Any]] = {"eager": lambda t, p, c, m: model(t, p, c, m)}
-    if engine.runner is not None:
-        modes["compiled"] = lambda t, p, c, m: engine.runner.forward(t, p, c, m)
-    if matmul_attention:
-        for name, fwd in list(modes.items()):
-            modes[f"{name}-matmul"] = without_kernel(fwd)
-    if library_model is not None:
-        modes["eager-library"] = lambda t, p, c, m: library_model(t, p, c, m)
+def measure(modes: dict[str, tuple[Transformer, Callable[..., Any]]], contexts: list[int], sizes: list[int],
+            repeats: int, progress: Callable[[str], None] = lambda _: None,
+            read_rate: ReadRate | None = None) -> list[dict[str, Any]]:
+    """Median milliseconds per (mode, L, n); a mode is a model (whose cache it fills) and its forward. `read_rate`,
+    if given, samples the memory's read rate once per repeat, between the forwards."""
     rows = []
     for context in contexts:
-        progress(f"filling a {context}-token cache")
-        cache = model.new_cache(context + max(sizes) + 32)
-        ids = torch.randint(vocab, (context,), device=device)
-        for start in range(0, context, PREFILL_CHUNK):  # chunked, as generation prefills
-            chunk = ids[start:start + PREFILL_CHUNK]
-            model(chunk, torch.arange(start, start + len(chunk), device=device), cache, logits_rows=slice(-1, None))
-            cache.commit()
+        progress(f"filling {context}-token caches")
+        caches = {}
+        for name, (model, _) in modes.items():
+            device, vocab = model.device, model.cfg.vocab_size
+            cache = caches[name] = model.new_cache(context + max(sizes) + 32)
+            ids = torch.randint(vocab, (context,), generator=torch.Generator().manual_seed(context)).to(device)
+            for start in range(0, context, PREFILL_CHUNK):  # chunked, as generation prefills
+                chunk = ids[start:start + PREFILL_CHUNK]
+                model(chunk, torch.arange(start, start + len(chunk), device=device), cache,
+                      logits_rows=slice(-1, None))
+                cache.commit()
         times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
-        for name, fwd in modes.items():  # untimed: first calls allocate and fill caches
+        for name, (model, fwd) in modes.items():  # untimed: first calls allocate and fill caches
             for n in sizes:
-                time_forward(fwd, cache, context, n, vocab, device)
+                time_forward(fwd, caches[name], context, n, model.cfg.vocab_size, model.device)
         for r in range(repeats):
             progress(f"L={context}: repeat {r + 1}/{repeats}")
             order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]  # rotate so drift hits every size alike
             if read_rate is not None:
                 read_rate.sample()
             for n in order:
-                for name, fwd in (modes.items() if r % 2 == 0 else reversed(modes.items())):
-                    times[(name, n)].append(time_forward(fwd, cache, context, n, vocab, device))
+                for name, (model, fwd) in (modes.items() if r % 2 == 0 else reversed(modes.items())):
+                    times[(name, n)].append(time_forward(fwd, caches[name], context, n, model.cfg.vocab_size,
+                                                         model.device))
         for name in modes:
             one = statistics.median(times[(name, 1)]) if 1 in sizes else None
             for n in sizes:
@@ -116,12 +106,23 @@ def measure(engine: Engine, model: Any, contexts: list[int], sizes: list[int], r
     return rows
 
 
-def step_bytes(cfg: Any, context: int, element_size: int) -> int:
-    """Bytes a one-token forward reads at least: every weight matrix (the layers' and the lm_head; the embedding
-    lookup reads one row) and the keys and values of `context` cached tokens."""
-    h, q, kv, inner = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
-    layer = h * (q + 2 * kv) + q * h + 3 * h * inner  # wqkv, wo, gate + up, down
-    return element_size * (cfg.n_layers * (layer + 2 * kv * context) + cfg.vocab_size * h)
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of the weight matrices a one-token forward reads: the layers' and the lm_head (the embedding lookup
+    reads one row), in their stored format."""
+    total = 0
+    for module in [*model.layers.modules(), model.lm_head]:
+        if isinstance(module, NativeLinear):
+            total += module.packed.nbytes
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def step_bytes(model: Transformer, context: int) -> int:
+    """Bytes a one-token forward reads at least: every weight matrix and the keys and values of `context` tokens."""
+    cfg = model.cfg
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.dtype.itemsize
+    return weight_bytes(model) + kv
 
 
 class ReadRate:
@@ -142,23 +143,22 @@ class ReadRate:
         return statistics.median(self.samples)
 
 
-def memory_floor(model: Any, contexts: list[int], bandwidth: float) -> list[dict[str, Any]]:
-    """Per context: the megabytes a one-token step reads and the milliseconds that takes at `bandwidth` bytes/s."""
-    reads = {L: step_bytes(model.cfg, L, model.dtype.itemsize) for L in contexts}
-    return [{"context": L, "mb": round(b / 1e6, 1), "floor_ms": round(1000 * b / bandwidth, 2)}
-            for L, b in reads.items()]
-
-
-def without_kernel(forward: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any) -> Any:
-        with attention_kernel.disabled():
-            return forward(*args)
-    return run
+def memory_floor(model: Transformer, rows: list[dict[str, Any]], mode: str, contexts: list[int],
+                 bandwidth: float) -> list[dict[str, Any]]:
+    """Per context: the megabytes a one-token step of `mode` reads, the milliseconds that takes at `bandwidth`
+    bytes/s, and the share of that rate the measured step achieves."""
+    out = []
+    for L in contexts:
+        b = step_bytes(model, L)
+        floor_ms = 1000 * b / bandwidth
+        one = next((r["ms"] for r in rows if (r["mode"], r["context"], r["n"]) == (mode, L, 1)), None)
+        out.append({"context": L, "mb": round(b / 1e6, 1), "floor_ms": round(floor_ms, 2),
+                    "achieved": round(floor_ms / one, 2) if one else None})
+    return out
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    order = ["eager", "eager-matmul", "eager-library", "compiled", "compiled-matmul"]
-    modes = sorted({r["mode"] for r in rows}, key=order.index)
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
     header = "| L | n | " + " | ".join(f"{m} ms | {m} ×n=1" for m in modes) + " |"
     lines = [header, "|" + "---|" * (2 + 2 * len(modes))]
     for context in sorted({r["context"] for r in rows}):
@@ -172,8 +172,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def floor_line(floor: dict[str, Any]) -> str:
-    return (f"Memory floor of a one-token step (this CPU reads {floor['read_gb_s']} GB/s): "
-            + ", ".join(f"L={r['context']}: {r['mb']:.0f} MB, {r['floor_ms']:.1f} ms" for r in floor["rows"]))
+    return (f"Memory floor of a one-token step of `{floor['mode']}` (this CPU reads {floor['read_gb_s']} GB/s): "
+            + ", ".join(f"L={r['context']}: {r['mb']:.0f} MB, {r['floor_ms']:.1f} ms"
+                        + (f" ({100 * r['achieved']:.0f}% of the rate achieved)" if r.get("achieved") else "")
+                        for r in floor["rows"]))
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -190,33 +192,35 @@ def run_cost_curve(args: argparse.Namespace) -> int:
     sizes = sorted(int(x) for x in args.sizes.split(","))
     if not sizes or min(sizes) < 1 or args.repeats < 1:
         raise ValueError("--sizes must be positive integers and --repeats at least 1")
-    engine = Engine.load(args.model, heads=None, device=args.device, compile=args.compile)
+    engine = Engine.load(args.model, heads=None, device=args.device, compile=args.compile, weights=args.weights)
     if max(contexts) + max(sizes) > engine.max_context:
         raise ValueError(f"--contexts up to {max(contexts)} plus {max(sizes)} new tokens exceed the model's "
                          f"context of {engine.max_context} tokens")
+    model = engine.model
+    main = f"native {model.layers[0].wqkv.packed.fmt}" if model.native else "eager"
+    modes: dict[str, tuple[Transformer, Callable[..., Any]]] = {main: (model, lambda t, p, c, m: model(t, p, c, m))}
     if engine.runner is not None:
         print(f"compiling graphs for sizes {sizes} …", file=sys.stderr)
         engine.runner.warm_up(tuple(sizes))
-    eager_model, library_model = engine.model, None
-    if engine.runner is not None:  # a compiled engine's graphs take the plain weights; eager decoding packs them
-        eager_model = load_model(args.model, device=args.device).model
-        eager_model.pack_for_decoding()
-        library_model = engine.model if args.library_linear else None
-    elif args.library_linear:
-        library_model = load_model(args.model, device=args.device).model
+        runner = engine.runner
+        modes = {"compiled": (model, lambda t, p, c, m: runner.forward(t, p, c, m))}
+    if args.torch:
+        torch_model = load_model(args.model, device=args.device, weights="fp32", native=False).model
+        modes["torch fp32"] = (torch_model, lambda t, p, c, m: torch_model(t, p, c, m))
     read_rate = ReadRate() if engine.device.type == "cpu" else None
-    rows = measure(engine, eager_model, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr),
-                   args.matmul_attention, library_model, read_rate)
+    rows = measure(modes, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), read_rate)
     print(markdown(rows))
     floor = None
     if read_rate is not None:
         bandwidth = read_rate.median()
-        floor = {"read_gb_s": round(bandwidth / 1e9, 1), "rows": memory_floor(engine.model, contexts, bandwidth)}
+        first = next(iter(modes))
+        floor = {"mode": first, "read_gb_s": round(bandwidth / 1e9, 1),
+                 "rows": memory_floor(model, rows, first, contexts, bandwidth)}
         print("\n" + floor_line(floor))
     if args.json:
-        report = {"command": args.command_line, "model": engine.loaded.name, "dtype": str(engine.model.dtype),
-                  "hardware": hardware(),
-                  "repeats": args.repeats, "rows": rows, "memory_floor": floor}
+        report = {"command": args.command_line, "model": engine.loaded.name, "weights": engine.loaded.source,
+                  "hardware": hardware(), "repeats": args.repeats, "rows": rows, "memory_floor": floor}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
+

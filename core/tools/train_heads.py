@@ -176,7 +176,7 @@ def stage_hidden(args: argparse.Namespace, data: Path) -> None:
         if done.get("format") == HIDDEN_FORMAT and done.get("samples") == len(samples):
             return  # else the data stage has added samples since: all are read again
     held = split_ids(read_prompts(args.prompts), args.holdout, args.seed)
-    lm = load_model(args.model, device="cpu")
+    lm = load_model(args.model, device="cpu", native=False)
     model = lm.model
     parts: dict[str, dict[str, list[torch.Tensor]]] = {"train": {"h": [], "y": []}, "eval": {"h": [], "y": []}}
     for sample in tqdm(samples, desc="hidden states", unit="sample"):
@@ -338,7 +338,7 @@ def load_hidden(data: Path) -> dict[str, Any]:
 def stage_train(args: argparse.Namespace, data: Path) -> None:
     tensors = load_hidden(data)
     h_all, y_all = tensors["train"]["h"], tensors["train"]["y"]
-    model = load_model(args.model, device="cpu").model
+    model = load_model(args.model, device="cpu", native=False).model
     vocab = head_vocab(y_all[:, 1:], args.head_vocab, model.cfg.vocab_size)
     remap = remap_for(vocab, model.cfg.vocab_size)
     heads = DraftHeads.initial(model, N_HEADS, vocab)
@@ -353,7 +353,7 @@ def trained_so_far(args: argparse.Namespace, data: Path) -> tuple[dict[str, Any]
     heads in it."""
 
     tensors = load_hidden(data)
-    model = load_model(args.model, device="cpu").model
+    model = load_model(args.model, device="cpu", native=False).model
     out = out_path(args)
     return tensors, model, out, load_heads(out, model, args.model)
 
@@ -568,7 +568,7 @@ def penalty_windows(y0: torch.Tensor, rows: torch.Tensor, width: int) -> torch.T
 
 def stage_eval(args: argparse.Namespace, data: Path) -> None:
     tensors = load_hidden(data)
-    lm = load_model(args.model, device="cpu")
+    lm = load_model(args.model, device="cpu", native=False)
     out = out_path(args)
     heads = load_heads(out, lm.model, args.model)
     h_eval, y_eval = tensors["eval"]["h"], tensors["eval"]["y"]

@@ -1,16 +1,18 @@
-"""Builds our C++ CPU kernels (kernels/attention.py, kernels/linear.py) with the system's compiler, once per
-machine, and loads them from the cache afterwards; holds the register tile both are built on (ROW_TILE).
+"""Builds our C++ CPU kernels (kernels/cpu.cpp) with the system's compiler, once per machine, and loads them from
+the cache afterwards.
 
-Each kernel is compiled with torch's cpp_extension (g++ and ninja, which torch.compile needs anyway) into
-TOKENSWIFT_CACHE/kernels/<hash>; the hash covers the source, the CPU's instruction-set flags and torch's version, so a
-cache shared with another machine or torch rebuilds instead of crashing. A kernel that cannot be built (no compiler,
-a read-only cache) is reported once and its caller takes the plain PyTorch path, which computes the same function.
+The source is compiled for an explicit instruction-set level, the best this CPU's flags allow (`isa_level`):
+AVX-512 with VNNI, AVX2 with FMA and F16C, or plain C++ (any CPU). Never `-march=native`: on some virtual machines
+it enables instructions the CPU then refuses. `TOKENSWIFT_ISA` picks a lower level by hand. The extension goes into
+TOKENSWIFT_CACHE/kernels/<hash>, the hash covering the source, the level's flags and torch's version. A kernel that
+cannot be built (no compiler, a read-only cache) is reported once, and the model runs PyTorch's operators instead.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import warnings
@@ -25,23 +27,15 @@ log = logging.getLogger(__name__)
 
 _MODULES: dict[str, Any] = {}  # name -> loaded extension, or None once a build failed
 
-# The register tile both kernels are built on (C++, pasted into their sources): acc[r][c] += a[r][k] * b[k][c] for
-# RB rows of a, W contiguous columns of b and k = 0..K-1 in order. The accumulators run along b's columns, so they
-# vectorise with no horizontal sums, every loaded vector of b serves RB rows, and each accumulator's additions come
-# in the same order whatever RB is: a row's result never depends on the rows computed with it.
-ROW_TILE = r"""
-template <int RB, int W>
-inline void row_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float (&acc)[RB][W]) {
-  for (int64_t k = 0; k < K; ++k) {
-    const float* bk = b + k * ldb;
-    for (int r = 0; r < RB; ++r) {
-      const float ak = a[r * lda + k];
-#pragma omp simd
-      for (int c = 0; c < W; ++c) acc[r][c] += ak * bk[c];
-    }
-  }
+# Instruction-set levels, best first: the CPU flags each needs (/proc/cpuinfo) and the compiler flags it builds with.
+LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"),
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "generic": ((), ()),
 }
-"""
+# Nothing here reorders or fuses float arithmetic: the kernels write every fused multiply-add they mean.
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 
 
 def cpu_info() -> dict[str, str]:
@@ -54,35 +48,47 @@ def cpu_info() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
 
 
-def build(name: str, source: str, functions: list[str]) -> Any | None:
-    """The extension compiled from `source` (built on the first call, ~20 s; loaded from the cache later), or None
-    if it cannot be built (warned once)."""
-    if name in _MODULES:
-        return _MODULES[name]
-    # torch's C++ extension tooling is imported only when a kernel is first built or loaded: it is slow to import
-    from torch.utils.cpp_extension import load_inline
+def isa_level() -> str:
+    """The best level this CPU supports (plain C++ off x86), or TOKENSWIFT_ISA's if that is lower."""
+    flags = set(cpu_info().get("flags", "").split())
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    supported = [name for name, (need, _) in LEVELS.items() if not need or (x86 and set(need) <= flags)]
+    chosen = os.environ.get("TOKENSWIFT_ISA")
+    if chosen:
+        if chosen not in LEVELS:
+            raise ValueError(f"TOKENSWIFT_ISA must be one of {', '.join(LEVELS)}, got {chosen!r}")
+        if chosen not in supported:
+            raise ValueError(f"TOKENSWIFT_ISA={chosen}: this CPU lacks {set(LEVELS[chosen][0]) - flags}")
+        return chosen
+    return supported[0]
 
-    key = hashlib.sha256((source + cpu_info().get("flags", "") + torch.__version__).encode()).hexdigest()[:12]
+
+def build(name: str, source: Path) -> Any | None:
+    """The extension compiled from `source` for this CPU's level (built on the first call, about a minute; loaded
+    from the cache later), or None if it cannot be built (warned once)."""
+    level = isa_level()
+    key_name = f"{name}-{level}"
+    if key_name in _MODULES:
+        return _MODULES[key_name]
+    # torch's C++ extension tooling is imported only when a kernel is first built or loaded: it is slow to import
+    from torch.utils.cpp_extension import load
+
+    flags = [*COMMON_FLAGS, *LEVELS[level][1]]
+    text = source.read_text()
+    key = hashlib.sha256((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     folder = cache_root() / "kernels" / key
+    module_name = f"tokenswift_{name}_{level}_{key}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.which("ninja") is None:  # requirements.txt's ninja sits beside the interpreter, maybe not on PATH
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        module_name = f"tokenswift_{name}_{key}"
-        if (folder / f"{module_name}.so").exists():
-            log.info("loading the %s kernel from %s", name, folder)
-        else:
-            log.info("building the %s kernel in %s (once per machine)", name, folder)
-        module = load_inline(
-            name=module_name, cpp_sources=source, functions=functions, build_directory=str(folder),
-            # -march=native: this CPU's vector units (the hash above ties the binary to them). -fno-trapping-math
-            # only lets masked compares vectorise; no flag here reorders arithmetic.
-            extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"],
-            extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        built = (folder / f"{module_name}.so").exists()
+        log.info("%s the %s kernels (%s) in %s", "loading" if built else "building", name, level, folder)
+        module = load(name=module_name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                      build_directory=str(folder), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: fall back, do not fail generation
         module = None
-        warnings.warn(f"CPU {name} kernel unavailable ({exc.__class__.__name__}: {exc}); using PyTorch's",
+        warnings.warn(f"CPU {name} kernels unavailable ({exc.__class__.__name__}: {exc}); using PyTorch's operators",
                       RuntimeWarning, stacklevel=3)
-    _MODULES[name] = module
+    _MODULES[key_name] = module
     return module

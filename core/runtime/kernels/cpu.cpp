@@ -1,0 +1,735 @@
+// The CPU decoder's kernels: linear layers over packed fp32 or 4/8-bit weights, attention over the KV cache in each
+// row's logical key order, and the per-row glue (RMSNorm, rotary embedding, SiLU gate, residuals), with a whole
+// decoder stack in one call.
+//
+// Every kernel here is row-invariant by construction: a row's result is the same sequence of float operations
+// whatever other rows share the call, however many threads run and wherever the row's keys sit in the cache. So a
+// one-token step, a verified token tree and a prefill chunk give a position the same floats, and TokenSwift's
+// tokens equal vanilla decoding's. How:
+// - work is split over output columns (linear) or (head, key chunk) tasks (attention), never inside a row's sum;
+// - every multiply-add is an explicit fma (the file is built with -ffp-contract=off, so nothing else is fused);
+// - integer dot products (quantized weights) are exact, whatever instruction computes them;
+// - a row's accumulator over k (or over keys) always runs in the same order, in one vector lane of its own;
+// - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count.
+// The file is compiled once per instruction set level (build.py): AVX-512 with VNNI, AVX2, or plain C++.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float fma_(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// 16 fp16 values as floats (exact either way).
+inline void halves_to_floats(const uint16_t* h, float* out) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))));
+#elif defined(__F16C__)
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+  _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8))));
+#else
+  for (int i = 0; i < 16; ++i) out[i] = half_to_float(h[i]);
+#endif
+}
+
+// 4 consecutive int8 activations as one int32 (broadcast to every lane of an integer dot product).
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+constexpr int64_t kCols = 16;   // output columns per packed tile
+constexpr int64_t kBlock = 32;  // weights per quantization block (along k)
+constexpr int kFmtF32 = 0, kFmtQ8_0 = 1, kFmtQ4_1 = 2;
+
+// ---------------------------------------------------------------------------------------------------------------
+// exp(x) for x <= 0, written so the compiler vectorises it: e^x = 2^i * e^f with i = round(x log2 e), |f| <= ln(2)/2,
+// e^f from its Taylor series to degree 8 (relative error < 1e-8, under float rounding).
+constexpr float kMinExp = -87.0f;  // exp below this is under float's normal range: counted as 0
+
+inline float exp_nonpositive(float x) {
+  const float t = (x > kMinExp ? x : kMinExp) * 1.44269504088896341f;
+  const float i = __builtin_floorf(t + 0.5f);
+  const float f = (t - i) * 0.693147180559945309f;
+  float p = 1.0f / 40320.0f;
+  p = fma_(p, f, 1.0f / 5040.0f);
+  p = fma_(p, f, 1.0f / 720.0f);
+  p = fma_(p, f, 1.0f / 120.0f);
+  p = fma_(p, f, 1.0f / 24.0f);
+  p = fma_(p, f, 1.0f / 6.0f);
+  p = fma_(p, f, 0.5f);
+  p = fma_(p, f, 1.0f);
+  p = fma_(p, f, 1.0f);
+  int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < kMinExp ? 0.0f : p * scale;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Activations for the integer dot products: each row of x in blocks of 32, q = round(x / d) with d = max|x| / 127,
+// and per block d, the sum of q, and d * sum(q) (the min term of 4-bit weights).
+struct QuantRows {
+  int64_t rows = 0, k = 0, blocks = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> sum;
+};
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
+  out.rows = rows;
+  out.k = k;
+  out.blocks = k / kBlock;
+  out.q.resize(rows * k);
+  out.d.resize(rows * out.blocks);
+  out.ds.resize(rows * out.blocks);
+  out.sum.resize(rows * out.blocks);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < out.blocks; ++b) {
+      const float* xb = x + r * k + b * kBlock;
+      float amax = 0.0f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f;
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      int8_t* qb = &out.q[r * k + b * kBlock];
+      for (int i = 0; i < kBlock; ++i) {
+        float v = std::nearbyint(xb[i] * id);
+        v = std::min(127.0f, std::max(-127.0f, v));
+        qb[i] = static_cast<int8_t>(v);
+        sum += qb[i];
+      }
+      out.d[r * out.blocks + b] = d;
+      out.sum[r * out.blocks + b] = sum;
+      out.ds[r * out.blocks + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Linear layers. A packed weight holds ceil(N / 16) tiles of 16 output columns:
+// - fp32: [T, K, 16] floats;
+// - q8_0: int8 [T, K/32, 8, 16, 4] (per block, per group of 4 k: the 16 columns' 4 values), fp16 scales [T, K/32, 16];
+// - q4_1: uint8 [T, K/32, 4, 16, 4], the low nibble holding k-group g, the high nibble k-group g + 4, fp16 scales
+//   and mins [T, K/32, 16] (w = d * q + m, q in 0..15).
+// Per (row, column) the result is sum over blocks, in order, of fma(isum, d_w * d_x, acc) (then fma(m_w, d_x * sum
+// q_x, acc) for q4_1), isum being the block's exact integer dot product; for fp32 weights an fma per k, in order.
+
+struct Linear {
+  int fmt;
+  int64_t n, k;
+  const float* f32 = nullptr;
+  const int8_t* q8 = nullptr;
+  const uint8_t* q4 = nullptr;
+  const uint16_t* d = nullptr;
+  const uint16_t* m = nullptr;
+  const float* bias = nullptr;
+};
+
+// fp32 tile: out[r][c] = sum_k x[r][k] * w[k][c], RB rows, the tile's K x 16 weights read once for all of them.
+template <int RB>
+inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, float (&acc)[RB][kCols]) {
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * kCols;
+    for (int r = 0; r < RB; ++r) {
+      const float xk = x[r * ldx + k];
+#pragma omp simd
+      for (int c = 0; c < kCols; ++c) acc[r][c] = fma_(xk, wk[c], acc[r][c]);
+    }
+  }
+}
+
+// Integer dot products of RB quantized rows with one 32-block of a tile: isum[r][c].
+template <int RB>
+inline void q8_block(const int8_t* w, const QuantRows& x, int64_t r0, int64_t b, int32_t (&isum)[RB][kCols]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // dpbusd takes unsigned weights: (w + 128) . x = w . x + 128 * sum(x)
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i wv[8];
+  for (int g = 0; g < 8; ++g) wv[g] = _mm512_xor_si512(_mm512_loadu_si512(w + g * 64), flip);
+  for (int r = 0; r < RB; ++r) {
+    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
+    __m512i s = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(load4(xq + 4 * g)));
+    s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * x.sum[(r0 + r) * x.blocks + b]));
+    _mm512_storeu_si512(isum[r], s);
+  }
+#elif defined(__AVX2__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < RB; ++r) {
+    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
+    for (int h = 0; h < 2; ++h) {
+      __m256i s = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + h * 32));
+        const __m256i xv = _mm256_set1_epi32(load4(xq + 4 * g));
+        // |w| . (x * sign(w)): unsigned times signed, pairs within int16 (2 * 128 * 127 < 32768)
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&isum[r][h * 8]), s);
+    }
+  }
+#else
+  for (int r = 0; r < RB; ++r) {
+    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
+    for (int c = 0; c < kCols; ++c) {
+      int32_t s = 0;
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < 4; ++j) s += static_cast<int32_t>(w[g * 64 + c * 4 + j]) * xq[g * 4 + j];
+      isum[r][c] = s;
+    }
+  }
+#endif
+}
+
+template <int RB>
+inline void q4_block(const uint8_t* w, const QuantRows& x, int64_t r0, int64_t b, int32_t (&isum)[RB][kCols]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i wv[8];
+  for (int g = 0; g < 4; ++g) {
+    const __m512i t = _mm512_loadu_si512(w + g * 64);
+    wv[g] = _mm512_and_si512(t, low);
+    wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+  }
+  for (int r = 0; r < RB; ++r) {
+    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
+    __m512i s = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(load4(xq + 4 * g)));
+    _mm512_storeu_si512(isum[r], s);
+  }
+#elif defined(__AVX2__)
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i wv[2][8];
+  for (int h = 0; h < 2; ++h)
+    for (int g = 0; g < 4; ++g) {
+      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + h * 32));
+      wv[h][g] = _mm256_and_si256(t, low);
+      wv[h][g + 4] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+    }
+  for (int r = 0; r < RB; ++r) {
+    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
+    for (int h = 0; h < 2; ++h) {
+      __m256i s = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g)  // 4-bit weights times int8: pairs within int16 (2 * 15 * 127 < 32768)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h][g], _mm256_set1_epi32(load4(xq + 4 * g))), ones));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&isum[r][h * 8]), s);
+    }
+  }
+#else
+  for (int r = 0; r < RB; ++r) {
+    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
+    for (int c = 0; c < kCols; ++c) {
+      int32_t s = 0;
+      for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t byte = w[g * 64 + c * 4 + j];
+          s += static_cast<int32_t>(byte & 0x0F) * xq[g * 4 + j] + static_cast<int32_t>(byte >> 4) * xq[(g + 4) * 4 + j];
+        }
+      isum[r][c] = s;
+    }
+  }
+#endif
+}
+
+// One tile, RB rows: acc[r][c] over the whole of k.
+template <int RB>
+void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float (&acc)[RB][kCols]) {
+  if (L.fmt == kFmtF32) {
+    f32_tile<RB>(x + r0 * L.k, L.k, L.f32 + t * L.k * kCols, L.k, acc);
+    return;
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  const int64_t B = L.k / kBlock;
+  int32_t isum[RB][kCols];
+  for (int64_t b = 0; b < B; ++b) {
+    float dw[kCols], mw[kCols];
+    halves_to_floats(L.d + (t * B + b) * kCols, dw);
+    if (L.fmt == kFmtQ4_1) {
+      halves_to_floats(L.m + (t * B + b) * kCols, mw);
+      q4_block<RB>(L.q4 + (t * B + b) * 256, xq, r0, b, isum);
+    } else {
+      q8_block<RB>(L.q8 + (t * B + b) * 512, xq, r0, b, isum);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const float dx = xq.d[(r0 + r) * B + b];
+#pragma omp simd
+      for (int c = 0; c < kCols; ++c) acc[r][c] = fma_(static_cast<float>(isum[r][c]), dw[c] * dx, acc[r][c]);
+      if (L.fmt == kFmtQ4_1) {
+        const float ds = xq.ds[(r0 + r) * B + b];
+#pragma omp simd
+        for (int c = 0; c < kCols; ++c) acc[r][c] = fma_(mw[c], ds, acc[r][c]);
+      }
+    }
+  }
+}
+
+template <int RB>
+void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float* out) {
+  float acc[RB][kCols];
+  tile_rows<RB>(L, t, x, xq, r0, acc);
+  const int64_t c0 = t * kCols, width = std::min(kCols, L.n - c0);
+  for (int r = 0; r < RB; ++r)
+    for (int64_t c = 0; c < width; ++c) out[(r0 + r) * L.n + c0 + c] = L.bias ? acc[r][c] + L.bias[c0 + c] : acc[r][c];
+}
+
+constexpr int64_t kMaxRowBlock = 6;  // rows sharing each loaded weight vector (accumulators stay in registers)
+
+// y [R, N] = x [R, K] W^T (+ bias). Tiles are split between threads; each tile's rows in near-equal blocks.
+void linear_into(const Linear& L, const float* x, int64_t R, float* out) {
+  QuantRows xq;
+  if (L.fmt != kFmtF32) quantize_rows(x, R, L.k, xq);
+  const int64_t T = (L.n + kCols - 1) / kCols;
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t blocks = (R + kMaxRowBlock - 1) / kMaxRowBlock;
+      for (int64_t b = 0, r = 0; b < blocks; ++b) {
+        const int64_t rows = (R - r + blocks - b - 1) / (blocks - b);
+        switch (rows) {
+          case 1: tile_store<1>(L, t, x, xq, r, out); break;
+          case 2: tile_store<2>(L, t, x, xq, r, out); break;
+          case 3: tile_store<3>(L, t, x, xq, r, out); break;
+          case 4: tile_store<4>(L, t, x, xq, r, out); break;
+          case 5: tile_store<5>(L, t, x, xq, r, out); break;
+          default: tile_store<6>(L, t, x, xq, r, out); break;
+        }
+        r += rows;
+      }
+    }
+  });
+}
+
+Linear linear_from(int64_t fmt, const torch::Tensor& a, const torch::Tensor& d, const torch::Tensor& m,
+                   const torch::Tensor& bias, int64_t n, int64_t k) {
+  Linear L;
+  L.fmt = static_cast<int>(fmt);
+  L.n = n;
+  L.k = k;
+  const int64_t T = (n + kCols - 1) / kCols;
+  TORCH_CHECK(a.is_contiguous(), "linear: packed weight must be contiguous");
+  if (L.fmt == kFmtF32) {
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.numel() == T * k * kCols, "linear: fp32 tiles [T, K, 16]");
+    L.f32 = a.data_ptr<float>();
+  } else {
+    TORCH_CHECK(k % kBlock == 0, "linear: quantized weights need K a multiple of 32");
+    TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == T * (k / kBlock) * kCols,
+                "linear: scales [T, K/32, 16] fp16");
+    L.d = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    if (L.fmt == kFmtQ8_0) {
+      TORCH_CHECK(a.scalar_type() == at::kChar && a.numel() == T * k * kCols, "linear: q8_0 tiles");
+      L.q8 = a.data_ptr<int8_t>();
+    } else {
+      TORCH_CHECK(L.fmt == kFmtQ4_1, "linear: unknown weight format ", fmt);
+      TORCH_CHECK(a.scalar_type() == at::kByte && a.numel() == T * k * kCols / 2, "linear: q4_1 tiles");
+      TORCH_CHECK(m.is_contiguous() && m.scalar_type() == at::kHalf && m.numel() == d.numel(), "linear: q4_1 mins");
+      L.q4 = a.data_ptr<uint8_t>();
+      L.m = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+    }
+  }
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n, "linear: bias [N]");
+    L.bias = bias.data_ptr<float>();
+  }
+  return L;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attention of a block of n new tokens (rows: the G query heads of each KV head times the n tokens, row g * n + i)
+// over the keys each may see, taken in logical order: the `past` committed keys (slot = position), then the token's
+// own ancestors in the block and itself (vis[i][j], in order of j), wherever in the block they sit. The keys are
+// split into chunks of 256 logical positions; each chunk's partial softmax is exact, and the chunks are merged in
+// order. A row's result depends only on its query and its logical key sequence.
+
+constexpr int64_t kChunk = 256;
+constexpr int64_t kTile = 64;  // keys per score tile
+
+// Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order.
+template <int RB, int D>
+inline void score_tile(const float* q, const float* kt, int64_t ks, int64_t width, float* p, int64_t ldp) {
+  float acc[RB][kTile];
+  for (int r = 0; r < RB; ++r)
+    for (int l = 0; l < kTile; ++l) acc[r][l] = 0.0f;
+  for (int j = 0; j < D; ++j) {
+    const float* kj = kt + j * ks;
+    for (int r = 0; r < RB; ++r) {
+      const float qj = q[r * D + j];
+#pragma omp simd
+      for (int l = 0; l < kTile; ++l) acc[r][l] = fma_(qj, kj[l], acc[r][l]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int64_t l = 0; l < width; ++l) p[r * ldp + l] = acc[r][l];
+}
+
+template <typename Tile>
+inline void for_row_blocks(int64_t R, Tile tile) {
+  int64_t r = 0;
+  for (; r + 6 <= R; r += 6) tile(std::integral_constant<int, 6>{}, r);
+  for (; r + 3 <= R; r += 3) tile(std::integral_constant<int, 3>{}, r);
+  if (R - r == 2) tile(std::integral_constant<int, 2>{}, r);
+  else if (R - r == 1) tile(std::integral_constant<int, 1>{}, r);
+}
+
+// Scores of R rows for n keys from slot s0 on (p[r * ldp + l]); a last partial tile goes through a zero-padded copy.
+template <int D>
+void scores(const float* q, int64_t R, const float* kt, int64_t ks, int64_t s0, int64_t n, float* p, int64_t ldp) {
+  float pad[D * kTile];
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t width = std::min(kTile, n - t0);
+    const float* src = kt + s0 + t0;
+    int64_t stride = ks;
+    if (width < kTile) {
+      std::fill(pad, pad + D * kTile, 0.0f);
+      for (int j = 0; j < D; ++j) std::copy(src + j * ks, src + j * ks + width, pad + j * kTile);
+      src = pad;
+      stride = kTile;
+    }
+    for_row_blocks(R, [&](auto rows, int64_t r) {
+      score_tile<decltype(rows)::value, D>(q + r * D, src, stride, width, p + r * ldp + t0, ldp);
+    });
+  }
+}
+
+// acc[r][i] += sum over l < n of w[r][l] * v[l][i], l in order, RB rows sharing every loaded value row.
+template <int RB, int D>
+inline void value_tile(const float* w, int64_t ldw, const float* v, int64_t n, float* acc) {
+  float a[RB][D];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < D; ++i) a[r][i] = acc[r * D + i];
+  for (int64_t l = 0; l < n; ++l) {
+    const float* vl = v + l * D;
+    for (int r = 0; r < RB; ++r) {
+      const float wl = w[r * ldw + l];
+#pragma omp simd
+      for (int i = 0; i < D; ++i) a[r][i] = fma_(wl, vl[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < D; ++i) acc[r * D + i] = a[r][i];
+}
+
+template <int D>
+void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const float* kp, int64_t kh, int64_t ks,
+              const float* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
+              float scale, float* out) {
+  const int64_t R = G * n;
+  std::vector<int64_t> len(n);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    len[i] = past + static_cast<int64_t>(anc[i].size());
+    longest = std::max(longest, len[i]);
+  }
+  const int64_t C = (longest + kChunk - 1) / kChunk;
+  std::vector<float> qs(H * R * D);
+  for (int64_t i = 0; i < H * R * D; ++i) qs[i] = q[i] * scale;  // softmax(scale * q.k) = softmax((scale * q).k)
+  // every row's scores for every key of the block (slots past .. past + n - 1)
+  std::vector<float> block(H * R * n);
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) scores<D>(&qs[h * R * D], R, kp + h * kh, ks, past, n, &block[h * R * n], n);
+  });
+  std::vector<float> part_max(H * C * R), part_sum(H * C * R), part_acc(H * C * R * D);
+  at::parallel_for(0, H * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(R * kChunk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / C, c0 = (task % C) * kChunk, c1 = c0 + kChunk;
+      const int64_t shared = std::max<int64_t>(0, std::min(c1, past) - c0);  // committed keys in this chunk
+      if (shared > 0) scores<D>(&qs[h * R * D], R, kp + h * kh, ks, c0, shared, p.data(), kChunk);
+      float* mx = &part_max[task * R];
+      float* sum = &part_sum[task * R];
+      float* acc = &part_acc[task * R * D];
+      std::fill(acc, acc + R * D, 0.0f);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = r % n;
+        const int64_t count = std::max<int64_t>(0, std::min(c1, len[i]) - c0);  // this row's keys in the chunk
+        float* pr = &p[r * kChunk];
+        for (int64_t l = std::max(shared, int64_t{0}); l < count; ++l)  // its block keys, in logical order
+          pr[l] = block[(h * R + r) * n + anc[i][c0 + l - past]];
+        const int64_t start = window > 0 ? std::max<int64_t>(0, len[i] - window) : 0;
+        for (int64_t l = 0; l < count; ++l)
+          if (c0 + l < start) pr[l] = -std::numeric_limits<float>::infinity();
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t l = 0; l < count; ++l) m = std::max(m, pr[l]);
+        mx[r] = m;
+        float s = 0.0f;
+        if (count == 0 || std::isinf(m)) {  // no visible key of this row in this chunk
+          std::fill(pr, pr + kChunk, 0.0f);
+          mx[r] = -std::numeric_limits<float>::infinity();
+        } else {
+          for (int64_t l = 0; l < count; ++l) pr[l] = exp_nonpositive(pr[l] - m);
+          // summed over the whole chunk, zeros past its end: the order of the additions never depends on count
+          std::fill(pr + count, pr + kChunk, 0.0f);
+#pragma omp simd reduction(+ : s)
+          for (int64_t l = 0; l < kChunk; ++l) s += pr[l];
+        }
+        sum[r] = s;
+      }
+      // values: the committed keys for all rows at once, then each row's block keys in its logical order
+      if (shared > 0) {
+        const float* vc = vp + h * vh + c0 * D;
+        for_row_blocks(R, [&](auto rows, int64_t r) {
+          value_tile<decltype(rows)::value, D>(&p[r * kChunk], kChunk, vc, shared, acc + r * D);
+        });
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = r % n;
+        const int64_t count = std::max<int64_t>(0, std::min(c1, len[i]) - c0);
+        float* ar = acc + r * D;
+        for (int64_t l = shared; l < count; ++l) {
+          const float wl = p[r * kChunk + l];
+          const float* vl = vp + h * vh + (past + anc[i][c0 + l - past]) * D;
+#pragma omp simd
+          for (int j = 0; j < D; ++j) ar[j] = fma_(wl, vl[j], ar[j]);
+        }
+      }
+    }
+  });
+  // merge the chunks' softmaxes in chunk order, whatever thread computed them
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < C; ++c) m = std::max(m, part_max[(h * C + c) * R + r]);
+      float* o = out + (h * R + r) * D;
+      std::fill(o, o + D, 0.0f);
+      float total = 0.0f;
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t idx = (h * C + c) * R + r;
+        if (std::isinf(part_max[idx])) continue;
+        const float w = std::exp(part_max[idx] - m);
+        total = fma_(w, part_sum[idx], total);
+        const float* a = &part_acc[idx * D];
+        for (int64_t j = 0; j < D; ++j) o[j] = fma_(w, a[j], o[j]);
+      }
+      for (int64_t j = 0; j < D; ++j) o[j] /= total;
+    }
+  }
+}
+
+// The ancestors (and self) of each block token in block order: from a visibility matrix [n, n], or causal.
+std::vector<std::vector<int64_t>> ancestors(const torch::Tensor& vis, int64_t n) {
+  std::vector<std::vector<int64_t>> anc(n);
+  if (vis.numel() == 0) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j <= i; ++j) anc[i].push_back(j);
+    return anc;
+  }
+  TORCH_CHECK(vis.scalar_type() == at::kBool && vis.dim() == 2 && vis.size(0) == n && vis.size(1) == n,
+              "attend: vis must be a bool [n, n] matrix");
+  auto v = vis.contiguous();
+  const bool* vp = v.data_ptr<bool>();
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j)
+      if (vp[i * n + j]) anc[i].push_back(j);
+    TORCH_CHECK(!anc[i].empty() && anc[i].back() == i, "attend: a block token must see itself and nothing after it");
+  }
+  return anc;
+}
+
+void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, const torch::Tensor& k,
+                 const torch::Tensor& v, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
+                 float scale, float* out) {
+  TORCH_CHECK(k.stride(1) == 1 && v.stride(2) == 1 && v.stride(1) == D, "attend: keys stored transposed, values by row");
+  TORCH_CHECK(k.size(1) >= past + n && v.size(1) >= past + n, "attend: the cache holds fewer slots than past + n");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+#define TOKENSWIFT_HEAD(size)                                                                                   \
+  if (D == size)                                                                                                   \
+    return attend_d<size>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window, scale, out);
+  TOKENSWIFT_HEAD(16)
+  TOKENSWIFT_HEAD(32)
+  TOKENSWIFT_HEAD(64)
+  TOKENSWIFT_HEAD(80)
+  TOKENSWIFT_HEAD(96)
+  TOKENSWIFT_HEAD(128)
+  TOKENSWIFT_HEAD(256)
+#undef TOKENSWIFT_HEAD
+  TORCH_CHECK(false, "attend: no kernel for head size ", D);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-row glue.
+
+void rms_norm(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * H;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[r * H + i] = w[i] * (xr[i] * inv);
+  }
+}
+
+// Rotary embedding ("rotate half") of `heads` heads of size D in place; cos/sin rows [R, D].
+void rope(float* x, int64_t R, int64_t ld, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  std::vector<float> tmp(D);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * ld + h * D;
+      const float* c = cos + r * D;
+      const float* s = sin + r * D;
+      for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * c[i] - v[i + half] * s[i];
+      for (int64_t i = half; i < D; ++i) tmp[i] = v[i] * c[i] + v[i - half] * s[i];
+      std::copy(tmp.begin(), tmp.end(), v);
+    }
+}
+
+// out[r][i] = silu(gate[r][i]) * up[r][i], gate and up the two halves of gu's rows.
+void silu_gate(const float* gu, int64_t R, int64_t I, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* g = gu + r * 2 * I;
+    const float* u = g + I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float e = exp_nonpositive(-std::fabs(g[i]));
+      const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+      out[r * I + i] = (g[i] * sig) * u[i];
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Python entry points.
+
+// y [R, N] = x [R, K] W^T (+ bias) for a packed weight (see Linear).
+torch::Tensor linear(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tensor d, torch::Tensor m,
+                     torch::Tensor bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear: x must be float32 [R, K]");
+  x = x.contiguous();
+  const Linear L = linear_from(fmt, a, d, m, bias, n, x.size(1));
+  auto out = torch::empty({x.size(0), n}, x.options());
+  linear_into(L, x.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+  return out;
+}
+
+// Attention of q [H_kv, G * n, D] for n new tokens over k [H_kv, S, D] (stored transposed) and v [H_kv, S, D]
+// (see attend_d).
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, int64_t past, torch::Tensor vis,
+                     int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q, k, v must be 3-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attend: float32 only");
+  q = q.contiguous();
+  const int64_t H = q.size(0), D = q.size(2);
+  TORCH_CHECK(n > 0 && q.size(1) % n == 0, "attend: rows must be a multiple of the block's tokens");
+  auto out = torch::empty_like(q);
+  attend_into(q.data_ptr<float>(), H, q.size(1) / n, n, D, k, v, past, ancestors(vis, n), window,
+              static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  rms_norm(x.data_ptr<float>(), w.contiguous().data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps),
+           out.data_ptr<float>());
+  return out;
+}
+
+torch::Tensor silu_gate_rows(torch::Tensor gu) {
+  gu = gu.contiguous();
+  const int64_t I = gu.size(1) / 2;
+  auto out = torch::empty({gu.size(0), I}, gu.options());
+  silu_gate(gu.data_ptr<float>(), gu.size(0), I, out.data_ptr<float>());
+  return out;
+}
+
+// A whole decoder stack over n new tokens, in place on x [n, hidden]: per layer RMSNorm, the fused QKV projection,
+// rotary embedding, the new keys and values written into the cache at slots past .. past + n - 1, attention, the
+// output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
+// residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers; `norms` holds two weights
+// per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format, n) per linear
+// layer, four linear layers per layer (qkv, o, gate/up, down).
+torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
+                      int64_t past, torch::Tensor vis, int64_t window, std::vector<torch::Tensor> norms,
+                      std::vector<torch::Tensor> lin, std::vector<int64_t> meta, int64_t n_heads, int64_t n_kv,
+                      int64_t head_dim, double eps, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decoder: x float32 [n, hidden]");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat, "decoder: float32 cache");
+  const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
+  const int64_t D = head_dim, G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D;
+  TORCH_CHECK(static_cast<int64_t>(lin.size()) == layers * 16 && static_cast<int64_t>(meta.size()) == layers * 8,
+              "decoder: 4 linear layers per layer");
+  TORCH_CHECK(kc.size(0) >= layers && kc.size(3) >= past + n, "decoder: cache too small");
+  auto cs = cos.contiguous(), sn = sin.contiguous();
+  const auto anc = ancestors(vis, n);
+  float* xp = x.data_ptr<float>();
+  std::vector<float> h(n * H), qkv, att(n * q_dim), qg(n * q_dim), og(n * q_dim), gu, act, y(n * H);
+  for (int64_t l = 0; l < layers; ++l) {
+    Linear Ls[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t at_ = (l * 4 + j) * 4;
+      const int64_t k_in = j == 0 || j == 2 ? H : (j == 1 ? q_dim : meta[(l * 4 + 2) * 2 + 1] / 2);
+      Ls[j] = linear_from(meta[(l * 4 + j) * 2], lin[at_], lin[at_ + 1], lin[at_ + 2], lin[at_ + 3],
+                          meta[(l * 4 + j) * 2 + 1], k_in);
+    }
+    rms_norm(xp, norms[l * 2].data_ptr<float>(), n, H, static_cast<float>(eps), h.data());
+    qkv.resize(n * (q_dim + 2 * kv_dim));
+    linear_into(Ls[0], h.data(), n, qkv.data());
+    const int64_t ld = q_dim + 2 * kv_dim;
+    rope(qkv.data(), n, ld, n_heads, D, cs.data_ptr<float>(), sn.data_ptr<float>());
+    rope(qkv.data() + q_dim, n, ld, n_kv, D, cs.data_ptr<float>(), sn.data_ptr<float>());
+    auto kl = kc[l], vl = vc[l];
+    float* kp = kl.data_ptr<float>();
+    float* vp = vl.data_ptr<float>();
+    const int64_t kh = kl.stride(0), ks = kl.stride(1), vh = vl.stride(0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t hk = 0; hk < n_kv; ++hk)
+        for (int64_t j = 0; j < D; ++j) {
+          kp[hk * kh + j * ks + past + i] = qkv[i * ld + q_dim + hk * D + j];
+          vp[hk * vh + (past + i) * D + j] = qkv[i * ld + q_dim + kv_dim + hk * D + j];
+        }
+    // queries as [H_kv, G * n, D]: row g * n + i of KV head hk is query head hk * G + g of token i
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t hq = 0; hq < n_heads; ++hq) {
+        const int64_t hk = hq / G, g = hq % G;
+        std::copy(&qkv[i * ld + hq * D], &qkv[i * ld + hq * D] + D, &qg[((hk * G + g) * n + i) * D]);
+      }
+    auto kview = kl.transpose(1, 2);  // [H_kv, S, D] over the transposed storage
+    attend_into(qg.data(), n_kv, G, n, D, kview, vl, past, anc, window, static_cast<float>(scale), og.data());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t hq = 0; hq < n_heads; ++hq) {
+        const int64_t hk = hq / G, g = hq % G;
+        std::copy(&og[((hk * G + g) * n + i) * D], &og[((hk * G + g) * n + i) * D] + D, &att[i * q_dim + hq * D]);
+      }
+    linear_into(Ls[1], att.data(), n, y.data());
+    for (int64_t i = 0; i < n * H; ++i) xp[i] += y[i];
+    rms_norm(xp, norms[l * 2 + 1].data_ptr<float>(), n, H, static_cast<float>(eps), h.data());
+    gu.resize(n * Ls[2].n);
+    linear_into(Ls[2], h.data(), n, gu.data());
+    act.resize(n * Ls[2].n / 2);
+    silu_gate(gu.data(), n, Ls[2].n / 2, act.data());
+    linear_into(Ls[3], act.data(), n, y.data());
+    for (int64_t i = 0; i < n * H; ++i) xp[i] += y[i];
+  }
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight");
+  m.def("attend", &attend, "attention in each row's logical key order");
+  m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row");
+  m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row");
+  m.def("decoder", &decoder, "a decoder stack over a block of new tokens, in place");
+}

@@ -1,0 +1,47 @@
+"""Python side of the CPU kernels (kernels/cpu.cpp): the extension, built once per machine, and thin typed calls.
+
+`kernel()` is None where the kernels cannot be used (no compiler, or TOKENSWIFT_KERNELS=off): the model then runs
+PyTorch's operators, which compute the same functions but are not row-invariant.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from core.runtime.kernels.build import build
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+
+HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the attention kernel's instances (cpu.cpp: attend_into)
+
+# A packed weight as the kernels take it: format code, tiles, fp16 scales, fp16 mins, fp32 bias (empty tensors
+# where absent), output columns. core/runtime/weights.py makes them.
+WeightArgs = tuple[int, Tensor, Tensor, Tensor, Tensor, int]
+
+
+@functools.cache  # called for every layer of every step: the setting is read, the extension found, once
+def kernel() -> Any | None:
+    """The compiled extension (built on the first call; then loaded from the cache), or None."""
+    if os.environ.get("TOKENSWIFT_KERNELS", "on") == "off":
+        return None
+    return build("cpu", SOURCE)
+
+
+def linear(x: Tensor, weight: WeightArgs) -> Tensor:
+    """x [R, K] W^T (+ bias), float32."""
+    return kernel().linear(x, *weight)
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, n: int, past: int, visible: Tensor | None, window: int | None,
+           scale: float) -> Tensor:
+    """Attention of q [H_kv, G * n, D] (row g * n + i: query head g of the KV head, token i of n) over keys and
+    values [H_kv, S, D] (keys stored transposed): `past` committed keys, then the n new ones in slots
+    past .. past + n - 1, token i seeing new token j where visible[i, j] (None: causally). Each row reduces over its
+    keys in logical order, so its result is the one a single-token step at its position gives."""
+    empty = q.new_empty(0, dtype=torch.bool) if visible is None else visible.contiguous()
+    return kernel().attend(q, keys, values, n, past, empty, window or 0, scale)

@@ -1,0 +1,193 @@
+"""Weight formats of the CPU kernels: fp32, and 8- and 4-bit blocks run as they are (q8_0, q4_1: GGML's formats).
+
+A weight [N, K] is packed into tiles of 16 output columns (kernels/cpu.cpp describes the layouts), from an fp32
+matrix (`pack`, quantizing it first for q8_0 / q4_1) or from a GGUF file's own blocks (`from_gguf_blocks`, which
+keeps the file's numbers: a GGUF model runs exactly the weights it ships). `NativeLinear` is the module a layer
+holds; its forward is the kernel's, so every row is computed alike whatever rows come with it.
+
+Quantizing fp32 weights follows GGML's reference quantizers: q8_0 blocks of 32 with d = max|w| / 127 and
+q = round(w / d); q4_1 blocks of 32 with m = min, d = (max - min) / 15 and q = round((w - m) / d) in 0..15.
+Dequantized, a q8_0 weight is d * q and a q4_1 weight d * q + m, in fp32, as GGUF readers compute them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from core.runtime.kernels import cpu
+
+COLS = 16  # output columns per tile
+BLOCK = 32  # weights per quantization block
+FORMATS = ("f32", "q8_0", "q4_1")
+CODES = {"f32": 0, "q8_0": 1, "q4_1": 2}
+
+
+@dataclass
+class PackedWeight:
+    """A weight [n, k] packed for the kernel: tiles (`data`), fp16 scales `d` and mins `m` where the format has
+    them, and an fp32 bias."""
+
+    fmt: str
+    n: int
+    k: int
+    data: Tensor
+    d: Tensor | None = None
+    m: Tensor | None = None
+    bias: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.d, self.m) if t is not None)
+
+    def kernel_args(self) -> cpu.WeightArgs:
+        """The weight as the kernels take it."""
+        empty = self.data.new_empty(0, dtype=torch.float16)
+        return (CODES[self.fmt], self.data, self.d if self.d is not None else empty,
+                self.m if self.m is not None else empty,
+                self.bias if self.bias is not None else self.data.new_empty(0, dtype=torch.float32), self.n)
+
+    def dequantize(self) -> Tensor:
+        """The fp32 weight [n, k] these tiles compute with."""
+        t = self.data.shape[0]
+        if self.fmt == "f32":
+            return self.data.transpose(1, 2).reshape(-1, self.k)[: self.n]
+        b = self.k // BLOCK
+        d = self.d.float().permute(0, 2, 1).reshape(t * COLS, b, 1)
+        if self.fmt == "q8_0":
+            q = self.data.view(t, b, 8, COLS, 4).permute(0, 3, 1, 2, 4).reshape(t * COLS, b, BLOCK).float()
+            return (d * q).reshape(-1, self.k)[: self.n]
+        packed = self.data.view(t, b, 4, COLS, 4)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).permute(0, 3, 1, 2, 4).reshape(t * COLS, b, BLOCK).float()
+        m = self.m.float().permute(0, 2, 1).reshape(t * COLS, b, 1)
+        return (d * q + m).reshape(-1, self.k)[: self.n]
+
+    def dequantize_rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` of the fp32 weight (an embedding lookup in a tied lm_head's table)."""
+        t, c = ids // COLS, ids % COLS
+        if self.fmt == "f32":
+            return self.data[t, :, c]
+        b = self.k // BLOCK
+        d = self.d[t, :, c].float()[..., None]  # [len, b, 1]
+        if self.fmt == "q8_0":
+            q = self.data.view(-1, b, 8, COLS, 4)[t, :, :, c, :].reshape(len(ids), b, BLOCK).float()
+            return (d * q).reshape(len(ids), self.k)
+        packed = self.data.view(-1, b, 4, COLS, 4)[t, :, :, c, :]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(len(ids), b, BLOCK).float()
+        return (d * q + self.m[t, :, c].float()[..., None]).reshape(len(ids), self.k)
+
+    def rows(self, ids: Tensor) -> PackedWeight:
+        """The weight of output rows `ids` only (same numbers, repacked): e.g. the lm_head rows drafting scores."""
+        if self.fmt == "f32":
+            return pack(self.dequantize()[ids], "f32")
+        q, d, m = self.blocks()
+        return from_blocks(self.fmt, q[ids], d[ids], None if m is None else m[ids])
+
+    def blocks(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Quantized values [n, k], scales [n, k/32] (and mins) in row order: what `from_blocks` packs."""
+        t, b = self.data.shape[0], self.k // BLOCK
+        d = self.d.permute(0, 2, 1).reshape(t * COLS, b)[: self.n]
+        if self.fmt == "q8_0":
+            q = self.data.view(t, b, 8, COLS, 4).permute(0, 3, 1, 2, 4).reshape(t * COLS, self.k)[: self.n]
+            return q, d, None
+        packed = self.data.view(t, b, 4, COLS, 4)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).permute(0, 3, 1, 2, 4).reshape(t * COLS, self.k)
+        return q[: self.n], d, self.m.permute(0, 2, 1).reshape(t * COLS, b)[: self.n]
+
+
+def _pad_rows(x: Tensor) -> Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % COLS))
+
+
+def from_blocks(fmt: str, q: Tensor, d: Tensor, m: Tensor | None = None, bias: Tensor | None = None) -> PackedWeight:
+    """Tiles from quantized values q [n, k] (int8 for q8_0, 0..15 for q4_1), fp16 scales d [n, k/32] and, for
+    q4_1, fp16 mins m [n, k/32]."""
+    n, k = q.shape
+    if k % BLOCK:
+        raise ValueError(f"quantized weights need a row length that is a multiple of {BLOCK}, got {k}")
+    b = k // BLOCK
+    scales = _pad_rows(d.to(torch.float16)).view(-1, COLS, b).permute(0, 2, 1).contiguous()
+    if fmt == "q8_0":
+        tiles = _pad_rows(q.to(torch.int8)).view(-1, COLS, b, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+        return PackedWeight("q8_0", n, k, tiles, scales, None, bias)
+    if fmt != "q4_1" or m is None:
+        raise ValueError(f"unknown quantized format {fmt!r} (or q4_1 without mins)")
+    nib = _pad_rows(q.to(torch.uint8)).view(-1, COLS, b, 8, 4).permute(0, 2, 3, 1, 4)
+    tiles = (nib[:, :, :4] | (nib[:, :, 4:] << 4)).contiguous()
+    mins = _pad_rows(m.to(torch.float16)).view(-1, COLS, b).permute(0, 2, 1).contiguous()
+    return PackedWeight("q4_1", n, k, tiles, scales, mins, bias)
+
+
+def quantize_q8_0(w: Tensor) -> tuple[Tensor, Tensor]:
+    """GGML's q8_0 of an fp32 [n, k] weight: int8 values and fp16 scales per block of 32."""
+    blocks = w.float().reshape(w.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(w.shape), d.to(torch.float16)
+
+
+def quantize_q4_1(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """GGML's q4_1 of an fp32 [n, k] weight: values 0..15, fp16 scales and mins per block of 32."""
+    blocks = w.float().reshape(w.shape[0], -1, BLOCK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.floor((blocks - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
+    return q.reshape(w.shape), d.to(torch.float16), lo.to(torch.float16)
+
+
+def pack(w: Tensor, fmt: str, bias: Tensor | None = None) -> PackedWeight:
+    """Pack an fp32 weight [n, k], quantizing it first for q8_0 and q4_1."""
+    w = w.detach().float()
+    bias = None if bias is None else bias.detach().float().contiguous()
+    if fmt == "f32":
+        tiles = _pad_rows(w).view(-1, COLS, w.shape[1]).transpose(1, 2).contiguous()
+        return PackedWeight("f32", w.shape[0], w.shape[1], tiles, bias=bias)
+    if fmt == "q8_0":
+        return from_blocks("q8_0", *quantize_q8_0(w), bias=bias)
+    if fmt == "q4_1":
+        return from_blocks("q4_1", *quantize_q4_1(w), bias=bias)
+    raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+# GGML's block layouts, as stored in GGUF files: (bytes per block of 32, name)
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
+
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Values [n, k], fp16 scales [n, k/32] (and q4_1's fp16 mins) of a GGUF tensor's raw blocks (uint8 rows)."""
+    blocks = np.ascontiguousarray(raw).reshape(n * (k // BLOCK), GGUF_BLOCK_BYTES[kind])
+    d = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16)).reshape(n, k // BLOCK)
+    if kind == "Q8_0":
+        q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(n, k)
+        return q, d, None
+    m = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16)).reshape(n, k // BLOCK)
+    qs = torch.from_numpy(blocks[:, 4:].copy())  # byte j: element j (low nibble) and j + 16 (high nibble)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).reshape(n, k)
+    return q, d, m
+
+
+class NativeLinear(nn.Module):
+    """A frozen linear layer on the CPU kernel, over a packed weight in any format."""
+
+    def __init__(self, weight: PackedWeight):
+        super().__init__()
+        self.packed = weight
+        self.args = weight.kernel_args()
+        self.in_features, self.out_features = weight.k, weight.n
+
+    @classmethod
+    def of(cls, layer: nn.Linear, fmt: str) -> NativeLinear:
+        return cls(pack(layer.weight, fmt, layer.bias))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        out = cpu.linear(x.reshape(-1, shape[-1]).float(), self.args)
+        return out.view(*shape[:-1], self.packed.n)
+
+    def rows(self, ids: Tensor) -> NativeLinear:
+        """The layer of output rows `ids` only (e.g. the lm_head rows a drafting head scores)."""
+        return NativeLinear(self.packed.rows(ids))

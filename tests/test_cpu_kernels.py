@@ -1,0 +1,306 @@
+"""The CPU kernels (core/runtime/kernels/cpu.cpp): each computes its function (against float64 references of the
+same arithmetic), and a row's result is the same floats whatever rows share the call, however many threads run and
+wherever its keys sit in the cache. The decoder built on them therefore gives a token verified inside a tree — in the
+layouts TreeBuilder really builds — bit for bit the logits a one-token step gives it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from core.runtime.kernels import cpu
+from core.runtime.loading import load_model
+from core.runtime.weights import BLOCK, from_blocks, from_gguf_blocks, pack, quantize_q4_1, quantize_q8_0
+from core.tokenswift.tree import HEADS, TreeBuilder
+
+FORMATS = ("f32", "q8_0", "q4_1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if cpu.kernel() is None:
+        pytest.fail("the CPU kernels did not build (a C++ compiler and ninja are requirements)")
+
+
+def reference_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 y = x W^T (+ b) with the kernel's arithmetic: for quantized weights the activations quantized per block
+    of 32 (d = max|x| / 127, q = round(x * 127 / max|x|), ties to even) and the blocks' exact integer dot products."""
+    wd = w.dequantize().double()
+    if w.fmt == "f32":
+        y = x.double() @ wd.T
+    else:
+        r, k = x.shape
+        blocks = x.view(r, k // BLOCK, BLOCK)
+        amax = blocks.abs().amax(-1)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        q = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+        xq = (q.double() * (amax / 127).double()[..., None]).view(r, k)
+        y = xq @ wd.T
+    return y + (bias.double() if bias is not None else 0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (50, 64), (7, 32)])
+def test_linear_matches_its_reference(fmt: str, n: int, k: int) -> None:
+    torch.manual_seed(n + k)
+    w, b = torch.randn(n, k) / k**0.5, torch.randn(n)
+    packed = pack(w, fmt, b)
+    x = torch.randn(20, k)
+    reference = reference_linear(x, packed, b)
+    for rows in (1, 2, 5, 6, 7, 13, 20):  # one block, the block sizes, and blocks split near-equally
+        out = cpu.linear(x[:rows], packed.kernel_args())
+        assert out.shape == (rows, n)
+        torch.testing.assert_close(out.double(), reference[:rows], rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(fmt: str) -> None:
+    torch.manual_seed(0)
+    packed = pack(torch.randn(200, 96), fmt, torch.randn(200))
+    x = torch.randn(40, 96)
+    together = cpu.linear(x, packed.kernel_args())
+    for rows in range(1, 41):
+        assert torch.equal(cpu.linear(x[:rows], packed.kernel_args()), together[:rows]), rows
+        assert torch.equal(cpu.linear(x[rows - 1:rows], packed.kernel_args())[0], together[rows - 1]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.linear(x, packed.kernel_args()), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_quantized_formats_keep_ggmls_numbers() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(37, 64)
+    q, d = quantize_q8_0(w)
+    assert torch.equal(pack(w, "q8_0").dequantize(), (d.float().repeat_interleave(BLOCK, 1) * q.float()))
+    q4, d4, m4 = quantize_q4_1(w)
+    assert q4.max() <= 15 and q4.min() >= 0
+    expect = d4.float().repeat_interleave(BLOCK, 1) * q4.float() + m4.float().repeat_interleave(BLOCK, 1)
+    packed = pack(w, "q4_1")
+    assert torch.equal(packed.dequantize(), expect)
+    assert (packed.dequantize() - w).abs().max() <= d4.float().max() / 2 + 1e-3  # within half a step
+    for fmt in ("q8_0", "q4_1"):  # blocks out and back in: the same tiles; rows and row lookups agree
+        p = pack(w, fmt)
+        again = from_blocks(fmt, *p.blocks())
+        assert torch.equal(again.data, p.data) and torch.equal(again.d, p.d)
+        ids = torch.tensor([0, 36, 17])
+        assert torch.equal(p.rows(ids).dequantize(), p.dequantize()[ids])
+        assert torch.equal(p.dequantize_rows(ids), p.dequantize()[ids])
+
+
+def test_gguf_blocks_are_read_byte_for_byte() -> None:
+    # GGML's q4_1 block: fp16 d, fp16 m, 16 bytes whose low nibbles are elements 0..15 and high nibbles 16..31
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 16, size=(3, 32)).astype(np.uint8)
+    d, m = np.float16([0.5, 0.25, 2.0]), np.float16([-1.0, 0.0, 3.0])
+    raw = np.concatenate([d.view(np.uint8).reshape(3, 2), m.view(np.uint8).reshape(3, 2),
+                          values[:, :16] | (values[:, 16:] << 4)], axis=1)
+    q, dd, mm = from_gguf_blocks("Q4_1", raw, 3, 32)
+    assert torch.equal(q, torch.from_numpy(values)) and torch.equal(dd[:, 0], torch.from_numpy(d))
+    assert torch.equal(mm[:, 0], torch.from_numpy(m))
+    q8 = rng.integers(-127, 128, size=(2, 32)).astype(np.int8)
+    raw8 = np.concatenate([np.float16([0.1, 0.2]).view(np.uint8).reshape(2, 2), q8.view(np.uint8)], axis=1)
+    q, dd, _ = from_gguf_blocks("Q8_0", raw8, 2, 32)
+    assert torch.equal(q, torch.from_numpy(q8))
+
+
+# -- attention -------------------------------------------------------------------------------------------------------
+
+def cache(kv: int, slots: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys stored as the CPU cache stores them ([kv, d, slots] under a [kv, slots, d] view) and values."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(kv, d, slots, generator=g).transpose(1, 2), torch.randn(kv, slots, d, generator=g)
+
+
+def reference_attention(q, keys, values, past: int, visible: torch.Tensor, n: int) -> torch.Tensor:
+    """float64 softmax attention of each row over its past keys and the block keys it sees."""
+    kv, rows, d = q.shape
+    out = torch.empty(kv, rows, d, dtype=torch.float64)
+    for r in range(rows):
+        i = r % n
+        slots = list(range(past)) + [past + j for j in range(n) if visible[i, j]]
+        s = (q[:, r].double()[:, None, :] * keys[:, slots].double()).sum(-1) * d**-0.5
+        out[:, r] = (s.softmax(-1)[:, :, None] * values[:, slots].double()).sum(1)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("past", [0, 1, 255, 300, 1000])
+def test_attention_matches_softmax_attention(d: int, past: int) -> None:
+    n, kv, group = 5, 3, 3
+    keys, values = cache(kv, past + n + 7, d, seed=past + d)
+    q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(1))
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
+    for visible in (tree, torch.ones(n, n).tril().bool()):
+        out = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5)
+        torch.testing.assert_close(out.double(), reference_attention(q, keys, values, past, visible, n),
+                                   rtol=2e-5, atol=2e-5)
+    causal = cpu.attend(q, keys, values, n, past, None, None, d**-0.5)
+    assert torch.equal(causal, cpu.attend(q, keys, values, n, past, torch.ones(n, n).tril().bool(), None, d**-0.5))
+
+
+def test_a_sliding_window_hides_the_keys_before_it() -> None:
+    keys, values = cache(1, 600, 64, seed=3)
+    q = torch.randn(1, 1, 64)
+    windowed = cpu.attend(q, keys, values, 1, 520, None, 100, 64**-0.5)
+    # the last 100 keys of the logical sequence (slots 421..520), as a short cache of exactly those keys
+    short = cpu.attend(q, keys[:, 421:], values[:, 421:], 1, 99, None, None, 64**-0.5)
+    torch.testing.assert_close(windowed, short, rtol=1e-6, atol=1e-6)
+
+
+def branching_trees() -> list:
+    """Trees in the layouts TreeBuilder builds (by depth, branching at every level, n-gram chains below)."""
+    product = TreeBuilder(root=1)
+    product.add_product([[(5, 0.6), (6, 0.3), (7, 0.1)], [(8, 0.5), (9, 0.4)], [(10, 0.9)]])
+    chain = TreeBuilder(root=1)
+    chain.add_chain([[(5, 0.6), (6, 0.3)], [(8, 0.5), (9, 0.4)], [(10, 0.9), (11, 0.05)]])
+    chain.add([6, 12, 13, 14], [0.3, 0.2, 0.1, 0.05], HEADS)
+    return [product.build(16), chain.build(16), product.build(4)]
+
+
+@pytest.mark.parametrize("past", [3, 250, 254, 700])  # blocks that start in a chunk, straddle one, end one
+def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past: int) -> None:
+    kv, group, d = 3, 3, 64
+    for tree in branching_trees():
+        n = len(tree)
+        keys, values = cache(kv, past + n + 1, d, seed=past + n)
+        q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(n))
+        together = cpu.attend(q, keys, values, n, past, tree.mask(), None, d**-0.5)
+        for i in range(n):
+            path = [i]
+            while tree.parents[path[-1]] >= 0:
+                path.append(tree.parents[path[-1]])
+            path.reverse()  # root .. node, as vanilla decoding committed them
+            k2, v2 = cache(kv, past + len(path), d, seed=0)
+            k2[:, :past], v2[:, :past] = keys[:, :past], values[:, :past]
+            k2[:, past:past + len(path)], v2[:, past:past + len(path)] = keys[:, [past + j for j in path]], \
+                values[:, [past + j for j in path]]
+            alone = cpu.attend(q[:, [g * n + i for g in range(group)]], k2, v2, 1, past + len(path) - 1, None,
+                               None, d**-0.5)
+            assert torch.equal(alone, together[:, [g * n + i for g in range(group)]]), (n, i)
+
+
+# -- the native decoder ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("native"), vocab_size=512, initializer_range=0.2)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q8", "q4"])
+def test_native_decoder_gives_a_tree_node_the_logits_of_a_single_step(tiny_dir: Path, weights: str) -> None:
+    model = load_model(str(tiny_dir), device="cpu", weights=weights).model
+    assert model.native
+    prefix = torch.randint(512, (260,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for tree in branching_trees():
+            n = len(tree)
+            c = model.new_cache(300)
+            model(prefix, torch.arange(260), c)
+            c.commit()
+            tokens = torch.tensor(tree.tokens) % 512
+            together, _ = model(tokens, tree.positions(260), c, tree.mask())
+            c.rollback()
+            for i in range(n):
+                path = [i]
+                while tree.parents[path[-1]] >= 0:
+                    path.append(tree.parents[path[-1]])
+                for j in reversed(path[1:]):  # the ancestors, decoded one step each
+                    model(tokens[j:j + 1], torch.tensor([260 + tree.depths[j]]), c)
+                    c.commit()
+                alone, _ = model(tokens[i:i + 1], torch.tensor([260 + tree.depths[i]]), c)
+                c.rollback(260)
+                assert torch.equal(alone[0], together[i]), (weights, n, i)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weights: str) -> None:
+    model = load_model(str(tiny_dir), device="cpu", weights=weights).model
+    ids = torch.randint(512, (300,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        c1 = model.new_cache(301)
+        whole, h1 = model(ids, torch.arange(300), c1)
+        c2 = model.new_cache(301)
+        steps = []
+        for i in range(300):
+            logits, _ = model(ids[i:i + 1], torch.tensor([i]), c2)
+            c2.commit()
+            steps.append(logits)
+    assert torch.equal(torch.cat(steps), whole)
+    assert torch.equal(c1.k[:, :, :300], c2.k[:, :, :300]) and torch.equal(c1.v[:, :, :300], c2.v[:, :, :300])
+
+
+def test_native_fp32_matches_pytorchs_operators(tiny_dir: Path) -> None:
+    native = load_model(str(tiny_dir), device="cpu", weights="fp32").model
+    plain = load_model(str(tiny_dir), device="cpu", native=False).model
+    ids = torch.randint(512, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        a, _ = native(ids, torch.arange(40), native.new_cache(41))
+        b, _ = plain(ids, torch.arange(40), plain.new_cache(41))
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_real_model_logits_in_a_branching_tree_equal_decoding_alone(smol_engine) -> None:
+    """On the default model as shipped (its GGUF's q4_1 and q8_0 blocks), every node of a tree — the chain and the
+    side branch, whose keys sit at other cache slots than they would in vanilla decoding — gets the logits its token
+    gets as a one-token step, bit for bit."""
+    model, tok = smol_engine.model, smol_engine.tokenizer
+    assert model.native and model.layers[0].wqkv.packed.fmt == "q4_1" and model.lm_head.packed.fmt == "q8_0"
+    prompt = torch.tensor(tok.encode("The lighthouse keeper wrote in his log that night"))
+    tree = torch.cat([prompt[-1:], torch.tensor(tok.encode(" the storm had")[:3] + tok.encode(" a ship")[:2])])
+    parents = [-1, 0, 1, 2, 0, 4]
+    block = torch.zeros(6, 6, dtype=torch.bool)
+    for i in range(6):
+        j = i
+        while j >= 0:
+            block[i, j], j = True, parents[j]
+    depth = block.sum(1) - 1
+    n0 = len(prompt) - 1
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model(prompt[:-1], torch.arange(n0), cache)
+        cache.commit()
+        together, _ = model(tree, n0 + depth, cache, block)
+        cache.rollback()
+        for path in ([0, 1, 2, 3], [0, 4, 5]):
+            for step, node in enumerate(path):  # vanilla decoding of this branch, one token per forward
+                alone, _ = model(tree[node:node + 1], torch.tensor([n0 + step]), cache)
+                cache.commit()
+                assert torch.equal(alone[0], together[node]), node
+            cache.rollback(n0)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_native_engines_run_the_heads_on_the_kernels(tiny_dir: Path, weights: str) -> None:
+    """A native engine runs its heads' matrices on the kernels (fp32), and the lm_head rows they score are the
+    model's own rows in its format: a head's logit for a token is the lm_head's for that token, bit for bit."""
+    from core.engine import Engine
+    from core.runtime.weights import NativeLinear
+    from core.tokenswift.heads import DraftHeads
+
+    loaded = load_model(str(tiny_dir), device="cpu", weights=weights)
+    model = loaded.model
+    plain_model = load_model(str(tiny_dir), device="cpu", native=False).model
+    ids = torch.arange(0, model.cfg.vocab_size, 3)
+    heads = DraftHeads.initial(plain_model, vocab=ids, root_width=32)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    heads.keep_root_ids(ids[::2])
+    h = torch.randn(9, model.cfg.hidden_size)
+    roots = torch.randint(model.cfg.vocab_size, (9,))
+    with torch.inference_mode():
+        plain = heads.logits(h, plain_model), heads.root_logits(h, roots, plain_model)
+        Engine(loaded, heads)
+        assert isinstance(heads.proj[0], NativeLinear) and isinstance(heads.root.up, NativeLinear)
+        logits = heads.logits(h, model)
+        states = torch.cat(heads.states(h))
+        assert torch.equal(logits.view(-1, len(ids)), model.lm_head(states)[:, ids])
+        if weights == "fp32":
+            torch.testing.assert_close(logits, plain[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(heads.root_logits(h, roots, model), plain[1], rtol=1e-5, atol=1e-5)
