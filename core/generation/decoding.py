@@ -74,6 +74,7 @@ class Step:
     seconds: float  # wall time of the step
     n_tokens: int  # output tokens so far
     tokens_per_s: float  # decode throughput so far
+    forward_s: float = 0.0  # of `seconds`, the model's forwards; the rest is the step's own work (drafting, draws)
 
 
 @dataclass
@@ -197,7 +198,7 @@ class Generation:
         return logits[-1], hidden[-1]
 
     def emit(self, new_ids: list[int], seconds: float, accepted: int = 0, from_ngram: int = 0, from_heads: int = 0,
-             tree_size: int = 1) -> Step | None:
+             tree_size: int = 1, forward_s: float = 0.0) -> Step | None:
         """Append a step's tokens, cutting at end-of-sequence, the token limit or a stop string.
 
         Returns the step, or None if nothing was added. Sets `stop_reason` when the generation is over.
@@ -228,7 +229,7 @@ class Generation:
             return None
         new = self.n_out - self.n_resumed
         step = Step(len(self.steps), kept, text, accepted, min(from_ngram, accepted), min(from_heads, accepted),
-                    tree_size, seconds, self.n_out, new / self.decode_s if self.decode_s > 0 else 0.0)
+                    tree_size, seconds, self.n_out, new / self.decode_s if self.decode_s > 0 else 0.0, forward_s)
         self.steps.append(step)
         return step
 
@@ -290,12 +291,15 @@ def vanilla_steps(decoder: Decoder, gen: Generation) -> Iterator[Step]:
         t0 = time.perf_counter()
         token = gen.draw(logits)
         done = gen.n_out + 1 >= gen.config.max_new_tokens or token in eos
+        forward_s = 0.0
         if not done:
             pos = torch.tensor([len(gen.tokens)], device=decoder.device)
+            t1 = time.perf_counter()
             logits, _ = decoder.forward(torch.tensor([token], device=decoder.device), pos, cache)
+            forward_s = time.perf_counter() - t1
             logits = logits[0]
             cache.commit()
-        step = gen.emit([token], time.perf_counter() - t0)
+        step = gen.emit([token], time.perf_counter() - t0, forward_s=forward_s)
         if step is not None:
             yield step
         if gen.stop_reason:

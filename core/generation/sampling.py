@@ -2,17 +2,19 @@
 position-keyed draw.
 
 Every decoder turns logits into a token the same way: `choose(process(logits, window), position)`. The random
-part of a draw at sequence position t depends only on (seed, t): Gumbel noise from a generator seeded by a hash of
-both, added to the processed logits, then argmax (the Gumbel-max trick samples exactly softmax(logits / T) over the
-tokens that survive filtering). So any decoder that computes the same logits at position t emits the same token:
-vanilla decoding and TokenSwift's tree verification agree token for token wherever the model gives a verified row
-the floats of a one-token step (what the CPU kernels guarantee, core/runtime/kernels/cpu.cpp).
+part of a draw at sequence position t depends only on (seed, t): Gumbel noise, a hash of (seed, t, token id) for
+each token, added to the processed logits, then argmax (the Gumbel-max trick samples exactly softmax(logits / T)
+over the tokens that survive filtering; only those need their noise). So any decoder that computes the same logits
+at position t emits the same token: vanilla decoding and TokenSwift's tree verification agree token for token
+wherever the model gives a verified row the floats of a one-token step (what the CPU kernels guarantee,
+core/runtime/kernels/cpu.cpp).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -132,11 +134,17 @@ def _mix(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & (2**63 - 1)
 
 
-def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
-    """The Gumbel noise for sequence position `position`: a pure function of (seed, position), on the CPU."""
-    g = torch.Generator().manual_seed(_mix(seed, position))
-    u = torch.rand(vocab, generator=g, dtype=torch.float32)
-    return -torch.log(-torch.log(u))
+def gumbel_noise(seed: int, position: int, ids: Tensor | int) -> Tensor:
+    """The Gumbel noise of token `ids` (or of every id below an int) at sequence position `position`: a pure function
+    of (seed, position, id), float32 on the CPU. Each id's uniform draw is splitmix64 of (seed, position)'s key and the
+    id (counter-based, so any subset of ids costs only its own size)."""
+    ids = torch.arange(ids) if isinstance(ids, int) else ids
+    z = np.uint64(_mix(seed, position)) + ids.cpu().numpy().astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1)
+    return torch.from_numpy((-np.log(-np.log(u))).astype(np.float32))
 
 
 class Sampler:
@@ -146,16 +154,10 @@ class Sampler:
         self.s = settings
         self.vocab = vocab
         self.banned = list(banned)  # e.g. end-of-sequence ids when writing to full length
-        self._noise: dict[int, Tensor] = {}
 
-    def noise(self, position: int, device: torch.device) -> Tensor:
-        n = self._noise.get(position)
-        if n is None or n.device != device:
-            n = gumbel_noise(self.s.seed, position, self.vocab).to(device)
-            if len(self._noise) > 64:
-                self._noise.clear()
-            self._noise[position] = n
-        return n
+    def noise(self, position: int, ids: Tensor | None = None, device: torch.device | str = "cpu") -> Tensor:
+        """The draw's Gumbel noise at `position` for token `ids` (None: the whole vocabulary), on `device`."""
+        return gumbel_noise(self.s.seed, position, self.vocab if ids is None else ids).to(device)
 
     def scores(self, logits: Tensor, windows: Tensor) -> Tensor:
         """Processed logits [rows, V] (a fresh tensor) for rows whose penalty windows are `windows` [rows, W]."""
@@ -183,8 +185,12 @@ class Sampler:
         return out
 
     def choose(self, scores: Tensor, positions: list[int]) -> Tensor:
-        """The token drawn at each row; row i is the draw for sequence position positions[i]."""
+        """The token drawn at each row; row i is the draw for sequence position positions[i]: the argmax of the
+        scores plus the noise, over the tokens the filters left (the others score -inf whatever their noise)."""
         if self.s.greedy:
             return scores.argmax(dim=-1)
-        noise = torch.stack([self.noise(p, scores.device) for p in positions])
-        return (scores + noise).argmax(dim=-1)
+        drawn = []
+        for row, position in zip(scores, positions):
+            alive = torch.isfinite(row).nonzero()[:, 0]
+            drawn.append(alive[(row[alive] + self.noise(position, alive, row.device)).argmax()])
+        return torch.stack(drawn)

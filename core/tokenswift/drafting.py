@@ -91,11 +91,12 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
     root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
     settings, sampler = gen.config.sampling, gen.sampler
 
-    def noise(first: int, n: int) -> Tensor | None:
-        """The draws' Gumbel noise at positions first .. first + n - 1 (none when decoding greedily)."""
+    def noise(first: int, n: int, ids: Tensor | None = None) -> Tensor | None:
+        """The draws' Gumbel noise at positions first .. first + n - 1 for token `ids` (None: every token; none when
+        decoding greedily)."""
         if settings.greedy:
             return None
-        return torch.stack([sampler.noise(first + i, device) for i in range(n)])
+        return torch.stack([sampler.noise(first + i, ids, device) for i in range(n)])
 
     candidates: list[list[tuple[int, float]]] = []
     if backbone is not None and depth > 0:
@@ -114,12 +115,13 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
             token, top = candidates[0][0]
             chance = calibrator.chance(top, HEADS, 1) if calibrator is not None else top
         first = len(candidates)
+        root_ids = heads.root_ids if heads.root_ids.numel() else None  # None: it scores the whole vocabulary
         for level in range(first, min(depth, first + heads.root_chain)):
             if chance < (opt.min_draft_score or 0.0):
                 break
             state, logits = engine.root_step(state, torch.tensor([token], device=device))
             ids, p = heads.candidates(sampler.draft_scores(logits, heads.root_ids), opt.head_topk,
-                                      noise(root_pos + 1 + level, 1), heads.root_ids)
+                                      noise(root_pos + 1 + level, 1, root_ids), heads.root_ids)
             candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
             token, top = int(ids[0, 0]), float(p[0, 0])
             chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top
@@ -131,7 +133,8 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
     if more > 0:
         if head_logits is None:  # no forward computed them (eager, or a graph without them: DraftPlan.graph_heads)
             head_logits = heads.logits(h_last[None], engine.model)[:, 0]
+        vocab = heads.vocab if heads.vocab.numel() else None
         ids, p = heads.candidates(sampler.draft_scores(head_logits[skip:skip + more], heads.vocab), opt.head_topk,
-                                  noise(root_pos + 1 + len(candidates), more))
+                                  noise(root_pos + 1 + len(candidates), more, vocab))
         candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
     return candidates

@@ -155,14 +155,15 @@ class DraftHeads(nn.Module):
         """fp32 logits of post-norm states over lm_head rows."""
         return (rows(states) if isinstance(rows, NativeLinear) else nn.functional.linear(states, rows)).float()
 
-    def to_native(self) -> None:
-        """Run the heads' own matrices on the CPU kernels in fp32, as a native model runs its (the lm_head rows they
-        score follow the model: `scorer`)."""
+    def to_native(self, fmt: str = "f32") -> None:
+        """Run the heads' own matrices on the CPU kernels in `fmt`, as a native model runs its (the lm_head rows they
+        score follow the model: `scorer`). A quantized model's heads are quantized too (q8_0): the root head reads
+        its matrices once per drafted level, and drafts only choose what is verified, never a token."""
         for k in range(self.n_heads):
             if isinstance(self.proj[k], nn.Linear):
-                self.proj[k] = NativeLinear.of(self.proj[k], "f32")
+                self.proj[k] = NativeLinear.of(self.proj[k], fmt)
         if self.root is not None and isinstance(self.root.up, nn.Linear):
-            self.root.up, self.root.down = NativeLinear.of(self.root.up, "f32"), NativeLinear.of(self.root.down, "f32")
+            self.root.up, self.root.down = NativeLinear.of(self.root.up, fmt), NativeLinear.of(self.root.down, fmt)
 
     def candidates(self, scores: Tensor, k: int, noise: Tensor | None = None,
                    ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -176,15 +177,15 @@ def rank_drafts(scores: Tensor, k: int, noise: Tensor | None = None,
     logits processed as the sampler processes the model's: Sampler.draft_scores): [rows, k] each. Column j scores
     token ids[j] (None or empty: token j).
 
-    With `noise` [rows, V] (the sampler's Gumbel noise at each row's position, over the whole vocabulary), the
+    With `noise` [rows, V'] (the sampler's Gumbel noise at each row's position, for the columns' tokens), the
     drafts are ranked as the sampler will draw there: scores + noise. Sampling draws argmax(scores + noise) with
-    noise fixed by (seed, position), so if the drafter matched the model its top-1 would be exactly the drawn
+    noise fixed by (seed, position, token), so if the drafter matched the model its top-1 would be exactly the drawn
     token; an inexact drafter's top-1 is drawn more often so too.
     """
     subset = ids is not None and ids.numel() > 0
     x = scores.float()
     if noise is not None:
-        x = x + (noise[:, ids] if subset else noise)
+        x = x + noise
     p, idx = x.softmax(-1).nan_to_num_(0.0).topk(k, dim=-1)  # (a row the filters emptied proposes nothing likely)
     return (ids[idx] if subset else idx), p
 

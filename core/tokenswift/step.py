@@ -56,16 +56,21 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
         t0 = time.perf_counter()
         root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
         backbone = None
+        forward_s = 0.0
         if partial is not None:
+            t1 = time.perf_counter()
             draft_logits, draft_hidden, draft_heads = engine.forward_with_heads(
                 torch.tensor([root], device=device), torch.tensor([root_pos], device=device), partial)
+            forward_s += time.perf_counter() - t1
             partial.commit()
             # the backbone drafts the token after the root; the heads, read at the root, the ones after that
             backbone, h_last = draft_logits[0], draft_hidden[0]
             head_logits = None if draft_heads is None else draft_heads[:, 0]
         tree, proposed = draft_tree(engine, gen, head_logits, h_last, backbone, table, calibrator)
+        t1 = time.perf_counter()
         logits, hidden, tree_heads = engine.forward_with_heads(
             torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
+        forward_s += time.perf_counter() - t1
         node, path, accepted_nodes = 0, [], []
         while True:
             token = gen.draw(logits[node], path)
@@ -82,7 +87,7 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
         h_last, head_logits = hidden[node], None if tree_heads is None else tree_heads[:, node]
         from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)
         step = gen.emit(path + [token], time.perf_counter() - t0, accepted=len(path), from_ngram=from_ngram,
-                        from_heads=len(path) - from_ngram, tree_size=len(tree))
+                        from_heads=len(path) - from_ngram, tree_size=len(tree), forward_s=forward_s)
         table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
         if partial is not None:
             gen.stats["partial_selections"] = partial.selections

@@ -34,11 +34,12 @@ from core.generation.decoding import GenerationConfig
 from core.generation.metrics import distinct_n
 from core.generation.sampling import PRESETS
 from core.generation.text import encode_prompt
-from core.runtime.loading import resolve
+from core.runtime.loading import gguf_source, resolve
 from core.runtime.paths import ASSETS
 from core.tokenswift.options import GAMMA
 from core.tools.args import load_engine
 from core.tools.hardware import hardware, run_report
+from core.tools.peers import BUILD_HINT, llama_cpp_binary, run_llama_cpp
 
 # TokenSwift variants: the engine's options they change (None: drop the heads; drafting from n-grams only)
 VARIANTS: dict[str, dict[str, Any] | None] = {
@@ -52,6 +53,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-tree2": {"tree_budget": 2, "min_draft_score": 0.25},  # the compiled CPU's trees before deep4
     # the compiled CPU defaults before the chained root head (its first level only)
     "tokenswift-deep4": {"tree_budget": 4, "draft_depth": 1, "min_draft_score": 0.25},
+    # gated trees of up to 4 nodes drafted by the chained root head's 3 levels (n-gram chains below)
+    "tokenswift-gated": {"tree_budget": 4, "draft_depth": 3, "min_draft_score": 0.25},
+    "tokenswift-gated8": {"tree_budget": 8, "draft_depth": 3, "min_draft_score": 0.25},
     # gated larger trees with the heads' drafts at every level
     "tokenswift-tree3": {"tree_budget": 3, "draft_depth": 3},
     "tokenswift-tree4": {"tree_budget": 4, "draft_depth": 4},
@@ -59,7 +63,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-separate-tree16": {"draft_mode": "separate", "tree_budget": 16, "draft_depth": 16,
                                    "min_draft_score": 0.0},
 }
-METHODS = ("hf", "hf-lookup", "ar", "tokenswift", *VARIANTS)
+METHODS = ("hf", "hf-lookup", "llama.cpp", "ar", "tokenswift", *VARIANTS)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -93,9 +97,18 @@ class Run:
     step_tokens: list[int] = field(default_factory=list)  # tokens per step, cumulative boundaries for checkpoints
     step_ngram: list[int] = field(default_factory=list)  # accepted drafts per step that came from the n-gram table
     peak_rss_mb: float = 0.0
+    forwards: list[float] = field(default_factory=list)  # of times[i], the seconds spent in the model's forwards
 
     def time_at(self, n: int) -> float:
         return self.times[min(n, len(self.times)) - 1]
+
+    def overhead_at(self, n: int) -> float | None:
+        """The share of the decode time up to token n spent outside the model's forwards: drafting, the tree, the
+        draws, bookkeeping."""
+        if not self.forwards:
+            return None
+        i = min(n, len(self.times)) - 1
+        return 1 - self.forwards[i] / self.times[i] if self.times[i] > 0 else None
 
     def steps_at(self, n: int) -> tuple[int, int, int]:
         """(steps, accepted drafts, n-gram drafts) up to the step that produced token n."""
@@ -152,18 +165,50 @@ def run_ours(engine: Engine, method: str, prompt_ids: list[int], length: int, sa
     times: list[float] = []
     step_tokens: list[int] = []
     step_ngram: list[int] = []
+    forwards: list[float] = []
     with RssSampler() as rss:
         gen = engine.generate(prompt_ids, config)
-        elapsed = 0.0
+        elapsed = forward = 0.0
         for step in gen:
             elapsed += step.seconds
+            forward += step.forward_s
             times.extend([elapsed] * len(step.token_ids))
+            forwards.extend([forward] * len(step.token_ids))
             step_tokens.append(len(step.token_ids))
             step_ngram.append(step.from_ngram)
     r = gen.result
     assert r is not None
     return Run(method, 0, 0, r.token_ids, r.prefill_s, times, len(r.steps), sum(s.accepted for s in r.steps),
-               sum(s.from_ngram for s in r.steps), step_tokens, step_ngram, rss.peak / 2**20)
+               sum(s.from_ngram for s in r.steps), step_tokens, step_ngram, rss.peak / 2**20, forwards)
+
+
+def llama_cpp_peer(engine: Engine, methods: list[str]) -> tuple[Path, Path] | None:
+    """(llama.cpp's program, the model's GGUF file) when the peer is asked for and can run; else None, said why."""
+    if "llama.cpp" not in methods:
+        return None
+    binary = llama_cpp_binary()
+    folder, _ = resolve(engine.loaded.name)
+    gguf = gguf_source(folder)
+    if binary is None or gguf is None:
+        why = f"llama.cpp is not built: {BUILD_HINT}" if binary is None else "the model is not a GGUF file"
+        print(f"note: skipping llama.cpp ({why})", file=sys.stderr)
+        return None
+    return binary, gguf
+
+
+def run_peer(binary: Path, gguf: Path, prompt: str, lengths: list[int], sampling: Any) -> Run:
+    """llama.cpp to each length (one completion each: it reports only a whole run's speed); the run's clock is
+    interpolated between the lengths, so time_at(L) is L over its speed to L."""
+    at: dict[int, float] = {}
+    prefill = 0.0
+    for L in lengths:
+        tok_s, prefill, n = run_llama_cpp(binary, gguf, prompt, L, sampling, torch.get_num_threads())
+        at[L] = n / tok_s
+    times, last_n, last_t = [], 0, 0.0
+    for L in sorted(at):
+        times += [last_t + (at[L] - last_t) * (i - last_n) / (L - last_n) for i in range(last_n + 1, L + 1)]
+        last_n, last_t = L, at[L]
+    return Run("llama.cpp", 0, 0, [], prefill, times)
 
 
 def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: Any, eos: tuple[int, ...]) -> Run:
@@ -235,7 +280,10 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[d
                 "decode_tok_s": round(statistics.median(tps), 2),
                 "speedup_vs_ar": ratio("ar"), "speedup_vs_hf": ratio("hf"),
                 "peak_rss_mb": round(max(r.peak_rss_mb for r in mine), 1),
-                "distinct_1_4": [round(statistics.mean(d), 4) for d in zip(*(distinct(r.token_ids[:L]) for r in mine))],
+                "overhead": (round(statistics.median(o), 3)
+                             if (o := [r.overhead_at(L) for r in mine if r.overhead_at(L) is not None]) else None),
+                "distinct_1_4": ([round(statistics.mean(d), 4) for d in zip(*(distinct(r.token_ids[:L]) for r in mine))]
+                                 if all(r.token_ids for r in mine) else None),  # llama.cpp's ids are not read
             }
             if m.startswith("tokenswift"):
                 st = [r.steps_at(L) for r in mine]
@@ -255,17 +303,22 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[d
     return rows
 
 
+def pct(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.0f}%"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| length | method | decode tok/s | vs ar | vs hf | tokens/step | α | n-gram share | prefill s | "
-            "distinct-1..4 | peak RSS MB | ids = ar |")
+    head = ("| length | method | decode tok/s | vs ar | vs hf | tokens/step | α | n-gram share | step overhead | "
+            "prefill s | distinct-1..4 | peak RSS MB | ids = ar |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         f = lambda v: "–" if v is None else v  # noqa: E731
         eq = r.get("ids_equal_ar")
         lines.append(f"| {r['length']} | {r['method']} | {r['decode_tok_s']} | {f(r['speedup_vs_ar'])} | "
                      f"{f(r['speedup_vs_hf'])} | {f(r.get('tokens_per_step'))} | {f(r.get('alpha'))} | "
-                     f"{f(r.get('ngram_share'))} | {r['prefill_s']} | "
-                     f"{'/'.join(str(round(d, 2)) for d in r['distinct_1_4'])} | {r['peak_rss_mb']} | "
+                     f"{f(r.get('ngram_share'))} | {pct(r.get('overhead'))} | {r['prefill_s']} | "
+                     f"{'/'.join(str(round(d, 2)) for d in r['distinct_1_4']) if r['distinct_1_4'] else '–'} | "
+                     f"{r['peak_rss_mb'] or '–'} | "
                      f"{'–' if eq is None else ('yes' if eq else 'NO ' + str(r['first_divergence']))} |")
     return "\n".join(lines)
 
@@ -325,6 +378,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--lengths up to {longest} do not fit the model's context of {engine.max_context} tokens "
                          f"with prompt(s) {too_long} (longest prompt {max(map(len, prompt_ids))} tokens); "
                          f"the longest length that fits is {limit - max(map(len, prompt_ids))}")
+    peer = llama_cpp_peer(engine, methods)
+    if "llama.cpp" in methods and peer is None:
+        methods = [m for m in methods if m != "llama.cpp"]
     hf = None
     if any(m.startswith("hf") for m in methods):
         from transformers import AutoModelForCausalLM  # slow to import; only the hf baselines need it
@@ -342,6 +398,10 @@ def run_bench(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"{m} prompt {p} repeat {k}")
             if m.startswith("hf"):
                 r = run_hf(hf, m, prompt_ids[p], min(longest, args.hf_max_length or longest), sampling, eos)
+            elif m == "llama.cpp":
+                assert peer is not None
+                text = engine.tokenizer.decode(prompt_ids[p], skip_special_tokens=False)
+                r = run_peer(*peer, text, lengths, sampling)
             else:
                 r = run_ours(engine, m, prompt_ids[p], longest, sampling)
             r.prompt, r.repeat = p, k

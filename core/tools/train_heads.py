@@ -546,7 +546,9 @@ def chain_drawn_rates(heads: Any, model: Any, h: torch.Tensor, y: torch.Tensor, 
             noise = torch.stack([gumbel_noise(seed, int(i) + d, scores.shape[-1]) for i in r])
             drawn = (scores + noise).argmax(-1)
             state, logits = heads.root_step(state, y[r, d], model)
-            draft, _ = heads.candidates(sampler.draft_scores(logits, heads.root_ids), 1, noise, heads.root_ids)
+            ids = heads.root_ids
+            draft, _ = heads.candidates(sampler.draft_scores(logits, ids), 1, noise[:, ids] if ids.numel() else noise,
+                                        ids)
             level_hits.append(draft[:, 0] == drawn)
         hits.append(torch.stack(level_hits))
     hit = torch.cat(hits, dim=1).float()  # [levels, rows]

@@ -251,6 +251,58 @@ inline void q4_block(const uint8_t* w, const QuantRows& x, int64_t r0, int64_t b
 #endif
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The quantized tile with every accumulator in a register: the same arithmetic as tile_rows' portable loop (each
+// block's exact integer dot product, then fma(isum, d_w * d_x, acc), then fma(m_w, d_x * sum q_x, acc) for q4_1),
+// with the block after next prefetched while this one is multiplied.
+template <int RB, bool Q4>
+void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
+  constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
+  const int64_t B = L.k / kBlock;
+  const uint8_t* wq = Q4 ? L.q4 + t * B * bytes : reinterpret_cast<const uint8_t*>(L.q8) + t * B * bytes;
+  const uint16_t* dp = L.d + t * B * kCols;
+  const uint16_t* mp = Q4 ? L.m + t * B * kCols : nullptr;
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = wq + b * bytes;
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * bytes + line),
+                                                                _MM_HINT_T0);
+    __m512i w[8];
+    if constexpr (Q4) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(wb + g * 64);
+        w[g] = _mm512_and_si512(v, low);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {  // dpbusd takes unsigned weights: (w + 128) . x = w . x + 128 * sum(x)
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(_mm512_loadu_si512(wb + g * 64), flip);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + b * kCols)));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (Q4) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + b * kCols)));
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xr = &xq.q[row * xq.k + b * kBlock];
+      // two independent chains of dot products (integer sums: any order gives the same)
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(load4(xr + 4 * g)));
+        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(load4(xr + 4 * g + 4)));
+      }
+      __m512i s = _mm512_add_epi32(s0, s1);
+      if constexpr (!Q4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xq.sum[row * B + b]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xq.d[row * B + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+      if constexpr (Q4) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq.ds[row * B + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+#endif
+
 // One tile, RB rows: acc[r][c] over the whole of k.
 template <int RB>
 void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float (&acc)[RB][kCols]) {
@@ -258,6 +310,10 @@ void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, 
     f32_tile<RB>(x + r0 * L.k, L.k, L.f32 + t * L.k * kCols, L.k, acc);
     return;
   }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (L.fmt == kFmtQ4_1) return quant_tile_avx512<RB, true>(L, t, xq, r0, acc);
+  return quant_tile_avx512<RB, false>(L, t, xq, r0, acc);
+#endif
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
   const int64_t B = L.k / kBlock;
@@ -293,16 +349,16 @@ void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq,
     for (int64_t c = 0; c < width; ++c) out[(r0 + r) * L.n + c0 + c] = L.bias ? acc[r][c] + L.bias[c0 + c] : acc[r][c];
 }
 
-constexpr int64_t kMaxRowBlock = 6;  // rows sharing each loaded weight vector (accumulators stay in registers)
-
-// y [R, N] = x [R, K] W^T (+ bias). Tiles are split between threads; each tile's rows in near-equal blocks.
+// y [R, N] = x [R, K] W^T (+ bias). Tiles are split between threads; each tile's rows in near-equal blocks of at
+// most 6 (fp32: 6 x 16 accumulators fill AVX2's registers) or 8 (quantized) rows sharing every loaded weight.
 void linear_into(const Linear& L, const float* x, int64_t R, float* out) {
   QuantRows xq;
   if (L.fmt != kFmtF32) quantize_rows(x, R, L.k, xq);
   const int64_t T = (L.n + kCols - 1) / kCols;
+  const int64_t most = L.fmt == kFmtF32 ? 6 : 8;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t blocks = (R + kMaxRowBlock - 1) / kMaxRowBlock;
+      const int64_t blocks = (R + most - 1) / most;
       for (int64_t b = 0, r = 0; b < blocks; ++b) {
         const int64_t rows = (R - r + blocks - b - 1) / (blocks - b);
         switch (rows) {
@@ -311,7 +367,9 @@ void linear_into(const Linear& L, const float* x, int64_t R, float* out) {
           case 3: tile_store<3>(L, t, x, xq, r, out); break;
           case 4: tile_store<4>(L, t, x, xq, r, out); break;
           case 5: tile_store<5>(L, t, x, xq, r, out); break;
-          default: tile_store<6>(L, t, x, xq, r, out); break;
+          case 6: tile_store<6>(L, t, x, xq, r, out); break;
+          case 7: tile_store<7>(L, t, x, xq, r, out); break;
+          default: tile_store<8>(L, t, x, xq, r, out); break;
         }
         r += rows;
       }
