@@ -13,9 +13,10 @@ from transformers.generation.logits_process import (
 )
 
 from core.generation.sampling import PRESETS, Sampler, SamplingSettings, apply_penalty, filter_logits, gumbel_noise
+from core.runtime.kernels.cpu import kernel
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below
-CHI2_CRIT = {7: 24.32, 5: 20.52}
+CHI2_CRIT = {7: 24.32, 5: 20.52, 3: 16.27}
 
 
 def test_penalty_matches_hf_repetition_penalty() -> None:
@@ -80,6 +81,30 @@ def test_draws_follow_the_processed_distribution(settings: SamplingSettings, df:
         counts[int(sampler.choose(scores, [position]))] += 1
     assert int((probs > 0).sum()) == df + 1
     assert chi_square(counts, probs) < CHI2_CRIT[df]
+
+
+@pytest.mark.parametrize("settings,df", [
+    (SamplingSettings(temperature=0.8, top_p=1.0, penalty=1.0), 7),
+    (SamplingSettings(temperature=1.0, top_p=0.95, penalty=1.5, penalty_window=2), 5),
+    (SamplingSettings(temperature=0.7, top_p=1.0, top_k=4, penalty=1.2, penalty_window=2), 3),
+    (SamplingSettings(temperature=1.0, top_p=1.0, min_p=0.1, penalty=1.2, penalty_window=2), 5),
+], ids=["temperature", "top-p+penalty", "top-k", "min-p"])
+def test_the_native_draw_samples_the_processed_distribution(settings: SamplingSettings, df: int) -> None:
+    """The kernel's draw (the one both decoders use on a CPU) follows the distribution Sampler.scores describes, and
+    never draws a token the filters exclude; greedily it is the argmax."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    window = torch.tensor([0, 1, 1])
+    sampler = Sampler(settings.with_(seed=321), vocab=8)
+    assert kernel() is not None, "the CPU kernels did not build"
+    probs = sampler.scores(logits[None], window[None]).softmax(-1)[0]
+    counts = torch.zeros(8)
+    for position in range(20_000):
+        counts[sampler.draw(logits, window, position)] += 1
+    assert int((probs > 0).sum()) == df + 1
+    assert chi_square(counts, probs) < CHI2_CRIT[df]
+    greedy = Sampler(settings.with_(temperature=0), vocab=8)
+    penalised = greedy.scores(logits[None], window[None])[0]
+    assert all(greedy.draw(logits, window, p) == int(penalised.argmax()) for p in range(20))
 
 
 def test_greedy_is_argmax_of_penalised_logits() -> None:

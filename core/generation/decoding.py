@@ -176,8 +176,7 @@ class Generation:
 
     def draw(self, logits_row: Tensor, extra: list[int] = ()) -> int:  # type: ignore[assignment]
         """Draw the token after the sequence (+ `extra` path tokens) from one row of logits."""
-        scores = self.sampler.scores(logits_row[None], self.window(extra))
-        return int(self.sampler.choose(scores, [len(self.tokens) + len(extra)])[0])
+        return self.sampler.draw(logits_row, self.window(extra)[0], len(self.tokens) + len(extra))
 
     def new_cache(self) -> KVCache:
         # room for the prompt, the output and one verification block beyond it

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from core.runtime.kernels.cpu import kernel
+
 MAX_SEED = 2**63 - 1
 
 
@@ -154,6 +156,7 @@ class Sampler:
         self.s = settings
         self.vocab = vocab
         self.banned = list(banned)  # e.g. end-of-sequence ids when writing to full length
+        self._banned_ids = torch.tensor(self.banned, dtype=torch.long)
 
     def noise(self, position: int, ids: Tensor | None = None, device: torch.device | str = "cpu") -> Tensor:
         """The draw's Gumbel noise at `position` for token `ids` (None: the whole vocabulary), on `device`."""
@@ -183,6 +186,17 @@ class Sampler:
             else:
                 out[:, self.banned] = float("-inf")
         return out
+
+    def draw(self, logits: Tensor, window: Tensor, position: int) -> int:
+        """The token drawn at sequence `position` from one row of logits [V] whose penalty window is `window` [W]:
+        `choose(scores(...))` in one pass of our CPU kernel where it is built (kernels/cpu.cpp: draw; it defines the
+        draw wherever it runs, both decoders calling it alike), else PyTorch's operators."""
+        native = kernel()
+        if native is None:
+            return int(self.choose(self.scores(logits[None], window[None]), [position])[0])
+        s = self.s
+        return native.draw(logits.detach().float().cpu(), self.vocab, window.cpu(), self._banned_ids, s.temperature,
+                           s.top_p, s.top_k, s.min_p, s.penalty, _mix(s.seed, position))
 
     def choose(self, scores: Tensor, positions: list[int]) -> Tensor:
         """The token drawn at each row; row i is the draw for sequence position positions[i]: the argmax of the

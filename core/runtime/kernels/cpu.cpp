@@ -62,7 +62,7 @@ constexpr int kFmtF32 = 0, kFmtQ8_0 = 1, kFmtQ4_1 = 2;
 // e^f from its Taylor series to degree 8 (relative error < 1e-8, under float rounding).
 constexpr float kMinExp = -87.0f;  // exp below this is under float's normal range: counted as 0
 
-inline float exp_nonpositive(float x) {
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   const float t = (x > kMinExp ? x : kMinExp) * 1.44269504088896341f;
   const float i = __builtin_floorf(t + 0.5f);
   const float f = (t - i) * 0.693147180559945309f;
@@ -665,7 +665,131 @@ void silu_gate(const float* gu, int64_t R, int64_t I, float* out) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The draw: the processed distribution's Gumbel-max sample, in one pass over the vocabulary.
+
+inline uint64_t splitmix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// Gumbel noise of token `id` at the position whose key (a hash of seed and position) is `key`: the same function as
+// core/generation/sampling.py's gumbel_noise.
+inline float gumbel(uint64_t key, int64_t id) {
+  const uint64_t z = splitmix(key + static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ULL);
+  const double u = (static_cast<double>(z >> 11) + 0.5) * 0x1.0p-53;
+  return static_cast<float>(-std::log(-std::log(u)));
+}
+
 }  // namespace
+
+// The token drawn from one row of logits: banned ids out, the contextual penalty over the distinct ids of `window`,
+// then (temperature 0: the argmax) temperature, top-k, top-p (the fewest most likely tokens whose mass reaches
+// top_p: rank j kept while the mass ranked above it is short of top_p, ties ranked by id), min-p, and the argmax of
+// the surviving scores plus their Gumbel noise. `key` is the position's noise key (sampling.py: _mix).
+int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::Tensor banned, double temperature,
+             double top_p, int64_t top_k, double min_p, double penalty, int64_t key) {
+  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
+  auto lc = logits.contiguous();
+  const float* lp = lc.data_ptr<float>();
+  std::vector<float> v(lp, lp + vocab);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  auto bc = banned.contiguous();
+  for (int64_t i = 0; i < bc.numel(); ++i) v[bc.data_ptr<int64_t>()[i]] = ninf;
+  if (penalty != 1.0 && window.numel() > 0) {
+    auto wc = window.contiguous();
+    const int64_t* wp = wc.data_ptr<int64_t>();
+    std::vector<int64_t> ids(wp, wp + wc.numel());
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    const float theta = static_cast<float>(penalty);
+    for (int64_t id : ids) v[id] = v[id] > 0.0f ? v[id] / theta : v[id] * theta;
+  }
+  auto first_max = [&](auto score) {
+    int64_t best = -1;
+    float top = ninf;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (v[i] == ninf) continue;
+      const float x = score(i);
+      if (best < 0 || x > top) best = i, top = x;
+    }
+    return best;
+  };
+  if (temperature == 0.0) return first_max([&](int64_t i) { return v[i]; });
+  const float t = static_cast<float>(temperature);
+  for (float& x : v) x = x / t;
+  if (top_k > 0 && top_k < vocab) {
+    std::vector<float> copy(v);
+    std::nth_element(copy.begin(), copy.begin() + (top_k - 1), copy.end(), std::greater<float>());
+    const float kth = copy[top_k - 1];
+    for (float& x : v) if (x < kth) x = ninf;
+  }
+  if (top_p < 1.0) {
+    float m = ninf;
+    for (float x : v) m = std::max(m, x);
+    std::vector<float> e(vocab);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < vocab; ++i) {
+      e[i] = exp_nonpositive(v[i] - m);  // 0 for a filtered token (-inf)
+      sum += e[i];
+    }
+    // The nucleus: the shortest prefix of the tokens ranked by (e desc, id asc) whose mass reaches top_p of the
+    // whole. Found by halving (nth_element on the ranking) rather than sorting, over the tokens with e >= 1e-6 (the
+    // top token has e = 1) when their mass reaches the goal, as it nearly always does, else over every token.
+    struct Entry {
+      float e;
+      int64_t id;
+      bool operator<(const Entry& o) const { return e > o.e || (e == o.e && id < o.id); }
+    };
+    const float goal = static_cast<float>(top_p) * sum;
+    std::vector<Entry> rest;
+    rest.reserve(vocab);
+    float big = 0.0f;
+    for (int64_t i = 0; i < vocab; ++i)
+      if (e[i] >= 1e-6f) rest.push_back({e[i], i}), big += e[i];
+    if (big < goal) {
+      rest.clear();
+      for (int64_t i = 0; i < vocab; ++i)
+        if (e[i] > 0.0f) rest.push_back({e[i], i});
+    }
+    std::vector<uint8_t> kept(vocab, 0);
+    float mass = 0.0f;
+    while (!rest.empty()) {
+      if (rest.size() <= 64) {
+        std::sort(rest.begin(), rest.end());
+        for (const Entry& x : rest) {
+          if (mass >= goal) break;
+          kept[x.id] = 1;
+          mass += x.e;
+        }
+        break;
+      }
+      const auto half = rest.begin() + rest.size() / 2;
+      std::nth_element(rest.begin(), half, rest.end());
+      float top = 0.0f;
+      for (auto it = rest.begin(); it != half; ++it) top += it->e;
+      if (mass + top >= goal) {
+        rest.erase(half, rest.end());  // the nucleus ends inside the upper half
+      } else {
+        for (auto it = rest.begin(); it != half; ++it) kept[it->id] = 1;
+        mass += top;
+        rest.erase(rest.begin(), half);
+      }
+    }
+    for (int64_t i = 0; i < vocab; ++i)
+      if (!kept[i]) v[i] = ninf;
+  }
+  if (min_p > 0.0) {  // p_i < min_p * p_max, that is exp(v_i - max) < min_p
+    float m = ninf;
+    for (float x : v) m = std::max(m, x);
+    for (float& x : v)
+      if (exp_nonpositive(x - m) < static_cast<float>(min_p)) x = ninf;
+  }
+  const uint64_t k64 = static_cast<uint64_t>(key);
+  return first_max([&](int64_t i) { return v[i] + gumbel(k64, i); });
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Python entry points.
@@ -790,4 +914,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row");
   m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row");
   m.def("decoder", &decoder, "a decoder stack over a block of new tokens, in place");
+  m.def("draw", &draw, "the token drawn from one row of logits");
 }
