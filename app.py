@@ -95,9 +95,8 @@ def worker_threads(settings: AppSettings, cpus: int, torch_threads: int) -> int 
 
     Auto: when the page is served on loopback, the browser that draws it runs on this machine too; if torch would
     then claim every CPU, one is left to the browser. Torch's parallel steps wait for their slowest thread, so a
-    browser redrawing the live page every second on a busy CPU stalls all of them: on a 2-core machine a run
-    watched in Chromium decoded at 4-6 tokens/s with 2 threads and 10-13 with 1 (15-21 with 2 and no page open);
-    `python -m app.page_bench` measures it (README, Performance).
+    browser redrawing the live page every second on a busy CPU stalls all of them (`python -m app.page_bench`
+    measures a run with and without a page open, per thread setting).
     """
     if settings.threads is not None:
         return settings.threads

@@ -8,10 +8,11 @@ only inside a request).
 
 What the UI sees (all through storage):
 - worker state: "loading model" → ("compiling", with compile=True) → "ready", or "failed" with the reason;
-  "stopped" at the end. With compile=None (auto) on a CPU the worker is "ready" after loading, runs eagerly, and
-  compiles the graphs one at a time while its queue is empty (_compile_step), swapping them in between runs. The
-  message says what the worker is doing and ends with the engine's one-time notices ("Note: no trained drafting
-  heads for this model: …"), so the header line can show them without a separate channel.
+  "stopped" at the end. With compile=None (auto) and a CPU model on PyTorch's operators (our kernels off or not
+  built, or bf16 weights; a model on our kernels has nothing to compile) the worker is "ready" after loading, runs
+  eagerly, and compiles the graphs one at a time while its queue is empty (_compile_step), swapping them in between
+  runs. The message says what the worker is doing and ends with the engine's one-time notices ("Note: no trained
+  drafting heads for this model: …"), so the header line can show them without a separate channel.
 - run progress: text, token ids and step rows appended every FLUSH_S (0.5 s) in one short transaction, plus the
   first step at once; a heartbeat thread keeps the run's heartbeat fresh through long prefills.
 - liveness: the worker rewrites its state row at least every STATE_REFRESH_S while it lives (the idle loop, a
@@ -315,10 +316,10 @@ class Worker:
         return engine
 
     def _compile_step(self) -> None:
-        """Auto mode on a CPU: one step of building the compiled engine while the queue is empty (_compile_steps).
-        Graphs cannot compile beside a run: tracing patches torch's module calls process-wide and broke an eager
-        forward in another thread (and the GIL made that run 7x slower while it lasted). A run queued meanwhile
-        starts when the current step ends and runs eagerly (~1.3x slower a chapter here) until the swap."""
+        """Auto mode on a CPU model on PyTorch's operators: one step of building the compiled engine while the queue
+        is empty (_compile_steps). Graphs cannot compile beside a run: tracing patches torch's module calls
+        process-wide and broke an eager forward in another thread (and the GIL slowed that run badly while it
+        lasted). A run queued meanwhile starts when the current step ends and runs eagerly until the swap."""
         assert self._compiling is not None and self.engine is not None
         with self._busy, _Ticker(self._refresh_state, HEARTBEAT_S, name="compile-heartbeat"):
             try:

@@ -49,7 +49,7 @@ class Engine:
             if compile:  # the native decoder is one call of our kernels: no graph would run it faster
                 self.notice("a CPU model runs on its native kernels; compiled graphs are for CUDA")
                 compile = False
-        self.options = (options or TokenSwiftOptions()).resolved(self.model.device, compile, heads)
+        self.options = (options or TokenSwiftOptions()).resolved(self.model.device, heads)
         if compile:
             self.runner = self._compiled_runner()
         # Everything loaded so far (torch, transformers, the tokenizer: millions of objects) lives as long as the

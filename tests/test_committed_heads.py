@@ -132,7 +132,9 @@ def test_root_head_gets_more_drafts_accepted(smol_engine, heads) -> None:
     config = GenerationConfig(max_new_tokens=200, method="tokenswift", sampling=PRESETS["studio"], ignore_eos=True)
     runs = {}
     for root_head in (True, False):
-        engine = Engine(smol_engine.loaded, heads, TokenSwiftOptions(tree_budget=2, root_head=root_head))
+        # one draft a step, always verified: which drafter is right more often
+        engine = Engine(smol_engine.loaded, heads, TokenSwiftOptions(tree_budget=2, root_head=root_head,
+                                                                     draft_depth=1, min_draft_score=0.0))
         runs[root_head] = engine.generate(ids, config).run()
     assert runs[True].token_ids == runs[False].token_ids
     accepted = {k: sum(s.accepted for s in r.steps) for k, r in runs.items()}

@@ -68,7 +68,7 @@ def test_compiled_engine_is_lossless(tmp_path: Path) -> None:
     assert_lossless(engine, ids, config)
 
 
-def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_levels_only(tmp_path: Path) -> None:
+def test_a_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_levels_only(tmp_path: Path) -> None:
     loaded = load_model(str(make_tiny_checkpoint(tmp_path / "m", vocab_size=512)), device="cpu", native=False)
     heads = DraftHeads.initial(loaded.model, root_width=16)
     engine = Engine(loaded, heads, compile=True)
@@ -78,8 +78,8 @@ def test_a_compiled_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_lev
     # gated trees vary in size, and on a CPU a padded row costs like a real one: a graph for each size
     graphs = [what for what, _ in engine.warm_up_plan()]
     assert graphs == ["the root head"] + [f"the {n}-token graph" for n in (1, 2, 3, 4)]
-    eager = Engine(loaded, heads).options
-    assert (eager.tree_budget, eager.min_draft_score) == (4, 0.0) and eager.draft_depth >= eager.tree_budget
+    eager = Engine(loaded, heads).options  # a CPU engine's defaults, compiled or not
+    assert (eager.tree_budget, eager.draft_depth, eager.min_draft_score) == (4, 1, 0.25)
     heads.root_chain = 3  # a chained root head drafts its levels, still without the heads
     chained = Engine(loaded, heads, compile=True)
     assert chained.options.draft_depth == 3 and chained.plan.chained_drafting and not chained.plan.graph_heads

@@ -44,45 +44,44 @@ class TokenSwiftOptions:
             raise ValueError("n-gram size must be >= 2, top-k values >= 0 (head top-k >= 1), lag >= 0")
         return self
 
-    def resolved(self, device: torch.device, compiled: bool, heads: DraftHeads | None) -> "TokenSwiftOptions":
+    def resolved(self, device: torch.device, heads: DraftHeads | None) -> "TokenSwiftOptions":
         """These options with every device default (None) filled in, for an engine on `device` with `heads`."""
         opt = self
         if opt.tree_budget is None:
-            opt = replace(opt, tree_budget=default_tree_budget(device, compiled))
+            opt = replace(opt, tree_budget=default_tree_budget(device))
         if opt.min_draft_score is None:
-            opt = replace(opt, min_draft_score=default_min_draft_score(device, compiled))
+            opt = replace(opt, min_draft_score=default_min_draft_score(device))
         if opt.draft_depth is None:
             chain = heads.root_chain if heads is not None and heads.root is not None else 1
             levels = chain + (1 if opt.draft_mode == "separate" else 0)  # the backbone drafts level 1 there
-            opt = replace(opt, draft_depth=default_draft_depth(device, compiled, levels))
+            opt = replace(opt, draft_depth=default_draft_depth(device, levels))
         return opt
 
 
-def default_tree_budget(device: torch.device, compiled: bool) -> int:
+def default_tree_budget(device: torch.device) -> int:
     """The most nodes verified a step: where verifying n tokens costs about one (a GPU), a large tree is nearly free;
-    on a CPU each extra token costs a share of a step, so the trees stay small there, and the compiled CPU's are also
-    gated (default_min_draft_score) and drafted by its cheap drafters only (default_draft_depth). The values are the
-    fastest measured (README, Performance)."""
+    on a CPU each extra token costs a share of a step, so the trees stay small there, gated
+    (default_min_draft_score) and drafted by the cheap drafters only (default_draft_depth). The values are the
+    fastest measured with the benchmark's variants (README, Performance)."""
     return 16 if device.type == "cuda" else 4
 
 
-def default_draft_depth(device: torch.device, compiled: bool, levels: int = 1) -> int:
-    """Tree levels the model's drafters fill: on a compiled CPU the `levels` of its cheap drafters only (the root
-    head's, more than one if it is chained, below the backbone's draft in separate mode), since heads 2 and 3 are
-    rarely right and would put their logits into every forward; deeper nodes come from n-gram chains. Elsewhere
-    every level."""
-    return levels if device.type == "cpu" and compiled else MAX_TREE
+def default_draft_depth(device: torch.device, levels: int = 1) -> int:
+    """Tree levels the model's drafters fill: on a CPU the `levels` of its cheap drafters only (the root head's, more
+    than one if it is chained, below the backbone's draft in separate mode), since heads 2 and 3 are rarely right;
+    deeper nodes come from n-gram chains. On a GPU every level."""
+    return levels if device.type == "cpu" else MAX_TREE
 
 
-def default_min_draft_score(device: torch.device, compiled: bool) -> float:
+def default_min_draft_score(device: torch.device) -> float:
     """The least calibrated chance of acceptance for which verifying a draft pays.
 
     A 2-node tree yields 1 + p tokens for a cost c(2) against 1 token for 1, so a draft pays iff p > c(2) - 1; on a
-    compiled CPU the gate sits at the top of the measured range of c(2) - 1 (`python -m core cost-curve`), since the
-    calibrated chances of low-scored drafts still run high. Eagerly, and on a GPU where extra tokens are nearly
-    free, every draft the budget allows is verified.
+    CPU the gate sits at about the measured c(2) - 1 (`python -m core cost-curve`): with a low acceptance (the paper's
+    sampling) verifying every draft loses. On a GPU, where extra tokens are nearly free, every draft the budget
+    allows is verified.
     """
-    return 0.25 if device.type == "cpu" and compiled else 0.0
+    return 0.25 if device.type == "cpu" else 0.0
 
 
 @dataclass(frozen=True)

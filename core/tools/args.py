@@ -40,15 +40,14 @@ def add_tokenswift_args(p: argparse.ArgumentParser) -> None:
                    help="tree nodes verified at most per step (default: 4 on a CPU, 16 on CUDA)")
     p.add_argument("--draft-depth", type=int, default=None,
                    help="tree levels the model's drafters fill; deeper ones come from n-gram chains (default on a "
-                        "CPU with --compile: the root head's levels, plus the backbone's in separate mode; else every "
-                        "level)")
+                        "CPU: the root head's levels, plus the backbone's in separate mode; on CUDA every level)")
     p.add_argument("--kv-budget", type=int, default=None, help="partial KV cache size for the separate draft pass")
     p.add_argument("--ngram-lag", type=int, default=None, help="leave the last N tokens out of the n-gram table")
     p.add_argument("--ngram-topk", type=int, default=None,
                    help="n-gram continuations proposed per key (default 20; 0 turns token reuse off)")
     p.add_argument("--min-draft-score", type=float, default=None,
-                   help="verify only drafts whose calibrated chance is at least this (default: 0.25 on a CPU with "
-                        "--compile, else 0)")
+                   help="verify only drafts whose calibrated chance is at least this (default: 0.25 on a CPU, "
+                        "0 on CUDA)")
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingSettings:

@@ -42,10 +42,13 @@ def run_llama_cpp(binary: Path, gguf: Path, prompt: str, length: int, sampling: 
         f.flush()
         cmd = [str(binary), "-m", str(gguf), "-f", f.name, "-n", str(length), "--ignore-eos", "-t", str(threads),
                "-c", str(length + 4096), "-no-cnv", "--no-warmup", *sampling_flags(sampling)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL)
+        # the text goes nowhere (sampled text can end inside a UTF-8 character); the timings are on stderr
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=3600,
+                              stdin=subprocess.DEVNULL)
+    report = done.stderr.decode("utf-8", errors="replace")
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
-    return parse_timings(done.stderr)
+        raise RuntimeError(f"llama.cpp failed ({done.returncode}): {report.strip().splitlines()[-1:]}")
+    return parse_timings(report)
 
 
 def parse_timings(report: str) -> tuple[float, float, int]:
