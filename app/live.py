@@ -37,6 +37,7 @@ class View:
     project_id: int | None = None
     chapter_id: int | None = None
     compare_id: int | None = None
+    owner: str | None = None  # the writer (app.identity), set by the page-load handler on a multi-user studio
     loaded: bool = False  # set by the page-load handler; False in a session the server does not know (restart)
 
 

@@ -24,7 +24,7 @@ START_TIMEOUT_S = 180  # imports + migrations + loading a model, on a busy 2-cor
 @dataclass
 class StudioServer:
     url: str
-    db_path: Path
+    db_path: Path | str  # a SQLite file or a SQLAlchemy URL
     log_path: Path
     proc: subprocess.Popen
 
@@ -38,9 +38,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_ready(db_path: Path) -> bool:
-    """Whether a worker on this database says it is ready (False while the file or its tables do not exist)."""
-    if not db_path.exists():
+def worker_ready(db_path: Path | str) -> bool:
+    """Whether a worker on this database (a file or a URL) says it is ready (False while the file or its tables do
+    not exist)."""
+    if isinstance(db_path, Path) and not db_path.exists():
         return False
     with storage.open_database(db_path, migrate=False) as db:
         try:
@@ -50,7 +51,7 @@ def worker_ready(db_path: Path) -> bool:
 
 
 @contextmanager
-def studio_server(db_path: Path, log_path: Path, *, port: int | None = None, args: tuple[str, ...] = (),
+def studio_server(db_path: Path | str, log_path: Path, *, port: int | None = None, args: tuple[str, ...] = (),
                   env: Mapping[str, str] | None = None,
                   start_timeout_s: float = START_TIMEOUT_S) -> Iterator[StudioServer]:
     """Run `python app.py --port P --db DB *args` until the page answers and the worker is ready; stop it (SIGTERM)

@@ -8,6 +8,11 @@ showed); nothing here is module-level mutable state. Every handler turns failure
 
 Inputs that belong to a project or chapter travel with hidden "owner" ids captured when the page showed them, so a
 premise typed for one project can never be saved into another after a quick switch (events may run concurrently).
+
+On a multi-user studio (app.hosting) each session belongs to a writer (app.identity), found by the page-load
+handler from the Hugging Face sign-in or the browser's key; every id a handler receives is looked up as that
+writer's (storage's ``owner=``), so another writer's project, comparison or run is "not found". A session that
+never loaded the page (an API caller that skipped ``/load``) is refused.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import functools
 import html
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +28,9 @@ import gradio as gr
 
 import storage
 from app import export as exporter
-from app import jobs, live, settings_panel, views
+from app import identity, jobs, live, settings_panel, views
 from app.charts import all_figures, buckets_from_rows
+from app.hosting import Hosting
 from app.live import LiveCache, View
 from app.zerogpu import ChunkDriver
 
@@ -34,6 +40,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CSS_PATH = ASSETS / "studio.css"
 POLL_S = 1.0
 BROWSER_KEY = "tokenswift-studio-view"
+WRITER_KEY = "tokenswift-studio-writer"
 KIND_CHOICES = [("Novel", "novel"), ("Report", "report"), ("Other", "other")]
 EXPORT_CHOICES = [("Markdown", "markdown"), ("Plain text", "text"), ("EPUB", "epub")]
 RUN_MODES = ("generate", "continue", "regenerate", "resume")
@@ -48,6 +55,7 @@ class StudioContext:
     heads: str | None = None
     driver: ChunkDriver | None = None  # ZeroGPU only
     poll_s: float = POLL_S
+    hosting: Hosting = field(default_factory=Hosting)
 
 
 def theme() -> gr.themes.Base:
@@ -96,6 +104,17 @@ def _unknown_session(view: View) -> bool:
     return not view.loaded and view.project_id is None and view.compare_id is None
 
 
+def _id(value: Any, what: str) -> int:
+    """An id from the page or an API caller; a readable refusal for anything that is not one."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not number.is_integer() or number < 1 or isinstance(value, bool):
+        raise gr.Error(f"{html.escape(str(value))[:40]} is not a valid {what} id.", print_exception=False)
+    return int(number)
+
+
 def _owner(value: Any) -> int | None:
     """A hidden owner-id field's value (None/0 = not set, e.g. an API caller that does not send it)."""
     try:
@@ -110,20 +129,29 @@ class Handlers:
     def __init__(self, ctx: StudioContext) -> None:
         self.ctx = ctx
         self.db = ctx.db
+        self.hosting = ctx.hosting
         self.write_panel: settings_panel.SettingsPanel | None = None
         self.compare_panel: settings_panel.SettingsPanel | None = None
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
+    def _me(self, view: View) -> str:
+        """The session's writer: everything it reads or writes is scoped to them."""
+        if not self.hosting.multi_user:
+            return storage.LOCAL_OWNER
+        if view.owner is None:
+            raise gr.Error("This session does not know who you are yet; reload the page.", print_exception=False)
+        return view.owner
+
     def _project(self, view: View) -> Any:
         if view.project_id is None:
             raise gr.Error("Open or create a project first.", print_exception=False)
-        return storage.get_project(self.db, view.project_id)
+        return storage.get_project(self.db, view.project_id, self._me(view))
 
     def _chapter(self, view: View) -> Any:
         if view.chapter_id is None:
             raise gr.Error("Pick a chapter first (or add one).", print_exception=False)
-        chapter = storage.get_chapter(self.db, view.chapter_id)
+        chapter = storage.get_chapter(self.db, view.chapter_id, self._me(view))
         if chapter.project_id != view.project_id:  # never act on another project's chapter
             raise gr.Error("That chapter belongs to another project; pick a chapter again.", print_exception=False)
         return chapter
@@ -134,19 +162,19 @@ class Handlers:
             raise gr.Error("The page switched project or chapter while you were typing; nothing was saved. "
                            "Please try again.", print_exception=False)
 
-    def _project_choices(self) -> list[tuple[str, int]]:
-        return [(views.project_label(p), p.id) for p in storage.list_projects(self.db)]
+    def _project_choices(self, view: View) -> list[tuple[str, int]]:
+        return [(views.project_label(p), p.id) for p in storage.list_projects(self.db, self._me(view))]
 
     def _remembered(self, view: View) -> dict[str, Any]:
         return {"project_id": view.project_id, "chapter_id": view.chapter_id, "compare_id": view.compare_id}
 
     def project_outputs(self, view: View) -> list[Any]:
         """Values for PROJECT outputs: picker, title, kind, premise (+ owner), settings, then chapter outputs."""
-        project = storage.get_project(self.db, view.project_id) if view.project_id is not None else None
+        project = storage.get_project(self.db, view.project_id, self._me(view)) if view.project_id is not None else None
         panel = self.write_panel
         settings = panel.updates(project.settings if project else None) if panel else []
         head = [
-            gr.update(choices=self._project_choices(), value=project.id if project else None),
+            gr.update(choices=self._project_choices(view), value=project.id if project else None),
             gr.update(value=project.title if project else ""),
             gr.update(value=project.kind if project else "novel"),
             gr.update(value=project.premise if project else "", interactive=project is not None),
@@ -159,7 +187,7 @@ class Handlers:
         chapter = None
         if view.chapter_id is not None:
             try:
-                chapter = storage.get_chapter(self.db, view.chapter_id)
+                chapter = storage.get_chapter(self.db, view.chapter_id, self._me(view))
             except storage.NotFoundError:
                 view.chapter_id = None
         return [
@@ -169,51 +197,107 @@ class Handlers:
             self._remembered(view),
         ]
 
-    def _first_chapter(self, project_id: int) -> int | None:
-        chapters = storage.list_chapters(self.db, project_id)
+    def _first_chapter(self, view: View, project_id: int) -> int | None:
+        chapters = storage.list_chapters(self.db, project_id, owner=self._me(view))
         return chapters[0].id if chapters else None
 
     # -- page load --------------------------------------------------------------------------------------------
 
     @guarded
-    def load(self, view: View, remembered: dict | None) -> list[Any]:
-        """Restore what this browser had open (ids remembered in localStorage), if it still exists."""
+    def load(self, view: View, remembered: dict | None, key: str | None = None,
+             profile: gr.OAuthProfile | None = None) -> list[Any]:
+        """Know the writer, then restore what this browser had open (ids remembered in localStorage) if it is
+        still there. Also returns the browser key to keep, the identity line and the claim offer."""
+        key = self._identify(view, key, profile)
         self._restore(view, remembered)
-        has_projects = bool(storage.list_projects(self.db))
-        return self.project_outputs(view) + [gr.update(open=not has_projects), self.comparison_picker(view)[0]]
+        has_projects = bool(storage.list_projects(self.db, self._me(view)))
+        return self.project_outputs(view) + [gr.update(open=not has_projects), self.comparison_picker(view)[0],
+                                             _skip(key), *self._identity_outputs(view, key, profile)]
+
+    def _identify(self, view: View, key: str | None, profile: Any) -> str | None:
+        """Set the session's writer (multi-user only); returns the browser key to keep (None: leave it)."""
+        if not self.hosting.multi_user:
+            return None
+        if not self.hosting.oauth:
+            profile = None  # a sign-in is only trusted where this studio offers one
+        view.owner, key = identity.resolve(key, profile)
+        return key
+
+    def _identity_outputs(self, view: View, key: str | None, profile: Any) -> list[Any]:
+        """The header's identity line and the claim button (projects this browser made before signing in)."""
+        if not self.hosting.multi_user:
+            return ["", gr.update(visible=False)]
+        if profile is not None and self.hosting.oauth and view.owner is not None and key:
+            line = f"Signed in as <b>{views.esc(profile.username)}</b>: your projects are private to you."
+            unclaimed = len(storage.list_projects(self.db, identity.key_owner(key)))
+            if unclaimed:
+                noun = "project" if unclaimed == 1 else "projects"
+                return [line, gr.update(visible=True, value=f"Keep the {unclaimed} {noun} made in this browser")]
+            return [line, gr.update(visible=False)]
+        line = "Your projects are private to this browser."
+        if self.hosting.oauth:
+            line += " Sign in to reach them from anywhere."
+        return [line, gr.update(visible=False)]
+
+    @guarded
+    def claim(self, view: View, key: str | None, profile: gr.OAuthProfile | None = None) -> list[Any]:
+        """Give the projects this browser's key made to the signed-in writer."""
+        if profile is None or not self.hosting.oauth:
+            raise gr.Error("Sign in first.", print_exception=False)
+        me = identity.profile_owner(profile)
+        if view.owner != me:
+            raise gr.Error("The page's sign-in changed; reload it.", print_exception=False)
+        moved = storage.transfer_projects(self.db, identity.key_owner(key or ""), me)
+        gr.Info(f"{moved} project(s) are now yours wherever you sign in.")
+        return self.project_outputs(view) + self._identity_outputs(view, key, profile)
 
     def _restore(self, view: View, remembered: dict | None, *, only_if_unknown: bool = False) -> None:
         """Open what ``remembered`` names, where it still exists (else nothing / the newest comparison)."""
         remembered = remembered if isinstance(remembered, dict) else {}
         pid, cid, cmp = remembered.get("project_id"), remembered.get("chapter_id"), remembered.get("compare_id")
         project_id = chapter_id = compare_id = None
+        me = self._me(view)
         if isinstance(pid, int):
             try:
-                project_id = storage.get_project(self.db, pid).id
+                project_id = storage.get_project(self.db, pid, me).id
             except storage.NotFoundError:
                 pass
         if project_id is not None:
-            chapter_ids = [c.id for c in storage.list_chapters(self.db, project_id)]
+            chapter_ids = [c.id for c in storage.list_chapters(self.db, project_id, owner=me)]
             chapter_id = cid if cid in chapter_ids else (chapter_ids[0] if chapter_ids else None)
         if isinstance(cmp, int):
             try:
-                compare_id = storage.get_comparison(self.db, cmp).id
+                compare_id = storage.get_comparison(self.db, cmp, me).id
             except storage.NotFoundError:
                 pass
         if compare_id is None:
-            latest = storage.list_comparisons(self.db, limit=1)
+            latest = storage.list_comparisons(self.db, limit=1, owner=me)
             compare_id = latest[0].id if latest else None
         if only_if_unknown and not _unknown_session(view):
             return  # the page-load handler got there first (it runs concurrently with the timer)
         # All at once: a concurrent poll never sees a half-restored view.
         view.project_id, view.chapter_id, view.compare_id, view.loaded = project_id, chapter_id, compare_id, True
 
+    def _rejoin(self, view: View, remembered: dict | None, key: str | None, profile: Any) -> None:
+        """A poll from a page whose session this server does not know (it restarted under the page): find the
+        writer and what the browser remembers instead of blanking the page. Never raises: it runs every second."""
+        if not (_unknown_session(view) and remembered):
+            return
+        try:
+            if self.hosting.multi_user and view.owner is None:
+                if not key:
+                    return  # a first visit: the page-load handler makes the key
+                self._identify(view, key, profile)
+            self._restore(view, remembered, only_if_unknown=True)
+        except Exception:  # a bad key, a transient database error: the page-load handler will say what is wrong
+            log.warning("rejoining a page failed", exc_info=True)
+
     # -- projects -------------------------------------------------------------------------------------------
 
     @guarded
     def create_project(self, view: View, title: str, kind: str, premise: str) -> list[Any]:
         """Create a project with a first chapter and open it."""
-        project = storage.create_project(self.db, title or "", kind or "novel", premise or "")
+        project = storage.create_project(self.db, title or "", kind or "novel", premise or "", owner=self._me(view))
         chapter = storage.add_chapter(self.db, project.id)
         view.project_id, view.chapter_id = project.id, chapter.id
         gr.Info(f"Created “{html.escape(project.title)}”.")
@@ -224,9 +308,9 @@ class Handlers:
         if project_id in (None, ""):
             view.project_id = view.chapter_id = None
             return self.project_outputs(view)
-        project = storage.get_project(self.db, int(project_id))
+        project = storage.get_project(self.db, _id(project_id, "project"), self._me(view))
         view.project_id = project.id
-        view.chapter_id = self._first_chapter(project.id)
+        view.chapter_id = self._first_chapter(view, project.id)
         return self.project_outputs(view)
 
     @guarded
@@ -235,9 +319,9 @@ class Handlers:
         self._check_owner(view, owner)
         project = self._project(view)
         if title != project.title:
-            storage.rename_project(self.db, project.id, title)
+            storage.rename_project(self.db, project.id, title, self._me(view))
         if kind and kind != project.kind:
-            storage.update_project(self.db, project.id, kind=kind)
+            storage.update_project(self.db, project.id, kind=kind, owner=self._me(view))
         gr.Info("Project saved.")
         return self.project_outputs(view)
 
@@ -251,7 +335,7 @@ class Handlers:
     @guarded
     def delete_project(self, view: View) -> list[Any]:
         project = self._project(view)
-        storage.delete_project(self.db, project.id)
+        storage.delete_project(self.db, project.id, self._me(view))
         view.project_id = view.chapter_id = None
         gr.Info(f"Deleted “{html.escape(project.title)}”.")
         return self.project_outputs(view) + [gr.update(visible=False)]
@@ -262,7 +346,7 @@ class Handlers:
     def open_chapter(self, view: View, chapter_id: int | None) -> list[Any]:
         if chapter_id in (None, ""):
             return self.chapter_outputs(view)
-        chapter = storage.get_chapter(self.db, int(chapter_id))
+        chapter = storage.get_chapter(self.db, _id(chapter_id, "chapter"), self._me(view))
         if chapter.project_id != view.project_id:
             raise gr.Error("That chapter belongs to another project.", print_exception=False)
         view.chapter_id = chapter.id
@@ -278,7 +362,7 @@ class Handlers:
     @guarded
     def move_chapter(self, view: View, delta: int) -> None:
         chapter = self._chapter(view)
-        storage.move_chapter(self.db, chapter.id, max(0, chapter.position + int(delta)))
+        storage.move_chapter(self.db, chapter.id, max(0, chapter.position + int(delta)), self._me(view))
 
     @guarded
     def ask_delete_chapter(self, view: View) -> tuple[Any, Any]:
@@ -290,22 +374,23 @@ class Handlers:
     @guarded
     def delete_chapter(self, view: View) -> list[Any]:
         chapter = self._chapter(view)
-        storage.delete_chapter(self.db, chapter.id)
-        view.chapter_id = self._first_chapter(chapter.project_id)
+        storage.delete_chapter(self.db, chapter.id, self._me(view))
+        view.chapter_id = self._first_chapter(view, chapter.project_id)
         return self.chapter_outputs(view) + [gr.update(visible=False)]
 
     def _save_meta(self, view: View, premise: str | None, title: str | None, instructions: str | None) -> None:
         """Store premise / chapter title / instructions where they differ from the database."""
         if view.project_id is not None and premise is not None:
-            project = storage.get_project(self.db, view.project_id)
+            project = self._project(view)
             if premise != project.premise:
-                storage.update_project(self.db, project.id, premise=premise)
+                storage.update_project(self.db, project.id, premise=premise, owner=self._me(view))
         if view.chapter_id is not None and (title is not None or instructions is not None):
             chapter = self._chapter(view)
             new_title = title if title is not None and title.strip() and title.strip() != chapter.title else None
             new_instr = instructions if instructions is not None and instructions != chapter.instructions else None
             if new_title is not None or new_instr is not None:
-                storage.update_chapter(self.db, chapter.id, title=new_title, instructions=new_instr)
+                storage.update_chapter(self.db, chapter.id, title=new_title, instructions=new_instr,
+                                       owner=self._me(view))
 
     @guarded
     def autosave(self, view: View, project_owner: Any, chapter_owner: Any, premise: str, title: str,
@@ -326,7 +411,7 @@ class Handlers:
         if text is not None and text != chapter.text:
             if cache.chapter_id != chapter.id or not cache.text_full:
                 raise gr.Error("The text cannot be saved while the chapter is being written.", print_exception=False)
-            storage.set_chapter_text(self.db, chapter.id, text)
+            storage.set_chapter_text(self.db, chapter.id, text, owner=self._me(view))
         gr.Info("Saved.")
 
     # -- runs -----------------------------------------------------------------------------------------------
@@ -346,8 +431,10 @@ class Handlers:
         else:
             settings = settings_panel.validated(settings_values)
             # Remember them as the project's defaults (shown the next time the project is opened).
-            storage.update_project(self.db, chapter.project_id, settings=settings)
-        run = jobs.queue_chapter_run(self.db, chapter.id, mode, settings, model=self.ctx.model, heads=self.ctx.heads)
+            storage.update_project(self.db, chapter.project_id, settings=settings, owner=self._me(view))
+        run = jobs.queue_chapter_run(self.db, chapter.id, mode, settings, model=self.ctx.model, heads=self.ctx.heads,
+                                     owner=self._me(view), max_queued=self.hosting.max_queued,
+                                     max_tokens=self.hosting.max_tokens)
         return views.run_status(run, position=storage.queue_position(self.db, run.id))
 
     @guarded
@@ -358,16 +445,18 @@ class Handlers:
         if run is None or run.status not in views.ACTIVE:
             gr.Info("Nothing is running in this chapter.")
             return
-        status = storage.request_cancel(self.db, run.id)
+        status = storage.request_cancel(self.db, run.id, self._me(view))
         gr.Info("Stopped." if status == "cancelled" else "Stopping after the current step…")
 
-    def refresh(self, view: View, cache: LiveCache, remembered: dict | None = None) -> tuple[Any, ...]:
+    def tick(self, view: View, cache: LiveCache, remembered: dict | None = None, key: str | None = None,
+             profile: gr.OAuthProfile | None = None) -> tuple[Any, ...]:
+        """The Write tab's timer: ``refresh``, after rejoining a page the server does not know."""
+        self._rejoin(view, remembered, key, profile)
+        return self.refresh(view, cache)
+
+    def refresh(self, view: View, cache: LiveCache) -> tuple[Any, ...]:
         """The 1 s poll of the Write tab (and header): only changed parts are sent."""
         try:
-            if _unknown_session(view) and remembered:
-                # The server restarted under an open page: its session is new here, so pick up what the
-                # browser remembers instead of blanking the page.
-                self._restore(view, remembered, only_if_unknown=True)
             up = live.poll_write(self.db, view, cache, zerogpu=self.ctx.driver is not None)
         except Exception:  # a transient database error must not pop a modal every second
             log.warning("refresh failed", exc_info=True)
@@ -394,7 +483,7 @@ class Handlers:
     # -- compare --------------------------------------------------------------------------------------------
 
     def comparison_picker(self, view: View) -> list[Any]:
-        comparisons = storage.list_comparisons(self.db, limit=100)
+        comparisons = storage.list_comparisons(self.db, limit=100, owner=self._me(view))
         return [gr.update(choices=[(views.comparison_label(c), c.id) for c in comparisons], value=view.compare_id),
                 self._remembered(view)]
 
@@ -405,15 +494,16 @@ class Handlers:
             raise gr.Error("Write a prompt to compare on.", print_exception=False)
         settings = settings_panel.validated(settings_values)
         comparison = jobs.queue_comparison(self.db, prompt, settings, model=self.ctx.model, heads=self.ctx.heads,
-                                           project_id=view.project_id)
+                                           project_id=view.project_id, owner=self._me(view),
+                                           max_queued=self.hosting.max_queued, max_tokens=self.hosting.max_tokens)
         view.compare_id = comparison.id
-        return self.comparison_picker(view) + [self.comparisons_table()]
+        return self.comparison_picker(view) + [self.comparisons_table(view)]
 
     @guarded
     def open_comparison(self, view: View, compare_id: Any) -> list[Any]:
         if compare_id in (None, ""):
             return self.comparison_picker(view)
-        comparison = storage.get_comparison(self.db, int(compare_id))
+        comparison = storage.get_comparison(self.db, _id(compare_id, "comparison"), self._me(view))
         view.compare_id = comparison.id
         return self.comparison_picker(view)
 
@@ -425,8 +515,11 @@ class Handlers:
         except (TypeError, ValueError, IndexError):
             return [gr.skip(), gr.skip()]
 
-    def comparisons_table(self) -> Any:
-        comparisons = storage.list_comparisons(self.db, limit=100)
+    def comparisons_table(self, view: View) -> Any:
+        try:
+            comparisons = storage.list_comparisons(self.db, limit=100, owner=self._me(view))
+        except gr.Error:  # no writer yet: nothing to list
+            comparisons = []
         run_ids = [i for c in comparisons for i in (c.ar_run_id, c.tokenswift_run_id) if i is not None]
         runs = {}
         for run_id in run_ids:
@@ -436,17 +529,21 @@ class Handlers:
                 pass
         return gr.update(value=views.comparisons_table(comparisons, runs), headers=views.COMPARE_COLUMNS)
 
-    def refresh_compare(self, view: View, cache: LiveCache, remembered: dict | None = None) -> tuple[Any, ...]:
+    def tick_compare(self, view: View, cache: LiveCache, remembered: dict | None = None, key: str | None = None,
+                     profile: gr.OAuthProfile | None = None) -> tuple[Any, ...]:
+        """The Compare tab's timer: ``refresh_compare``, after rejoining a page the server does not know."""
+        self._rejoin(view, remembered, key, profile)
+        return self.refresh_compare(view, cache)
+
+    def refresh_compare(self, view: View, cache: LiveCache) -> tuple[Any, ...]:
         """The 1 s poll of the Compare tab."""
         try:
-            if _unknown_session(view) and remembered:
-                self._restore(view, remembered, only_if_unknown=True)
             up = live.poll_compare(self.db, view.compare_id, cache)
         except Exception:
             log.warning("compare refresh failed", exc_info=True)
             return tuple(gr.skip() for _ in range(COMPARE_POLL_OUTPUTS))
         figures = up.figures or (gr.skip(), gr.skip(), gr.skip())
-        table = self.comparisons_table() if up.listing_changed else gr.skip()
+        table = self.comparisons_table(view) if up.listing_changed else gr.skip()
         return (_skip(up.summary_html), _skip(up.ar_line), _skip(up.ts_line), _skip(up.ar_text),
                 _skip(up.ts_text), *figures, table)
 
@@ -458,10 +555,11 @@ class Handlers:
         project_id = None if all_projects else view.project_id
         if project_id is None and not all_projects:
             return gr.update(value=[], headers=views.RUN_COLUMNS), gr.update(choices=[], value=None)
-        runs = storage.list_runs(self.db, project_id=project_id, limit=200)
+        me = self._me(view)
+        runs = storage.list_runs(self.db, project_id=project_id, limit=200, owner=me)
         titles: dict[int, str] = {}
         for pid in {r.project_id for r in runs if r.project_id is not None}:
-            titles.update({c.id: c.title for c in storage.list_chapters(self.db, pid)})
+            titles.update({c.id: c.title for c in storage.list_chapters(self.db, pid, owner=me)})
         rows = views.runs_table(runs, titles, live.speedups_for(self.db, runs))
         ids = [r.id for r in runs]
         keep = picked if picked in ids else (ids[0] if ids else None)
@@ -476,12 +574,12 @@ class Handlers:
             return gr.skip()
 
     @guarded
-    def run_details(self, run_id: Any) -> tuple[Any, ...]:
-        """Summary, metrics (JSON) and charts of any run."""
+    def run_details(self, view: View, run_id: Any) -> tuple[Any, ...]:
+        """Summary, metrics (JSON) and charts of any of the writer's runs."""
         if run_id in (None, ""):
             empty = '<div class="muted">Pick a run to see its metrics.</div>'
             return (empty, {}, *all_figures(None, "No run selected"))
-        run = storage.get_run(self.db, int(run_id))
+        run = storage.get_run(self.db, _id(run_id, "run"), self._me(view))
         buckets = buckets_from_rows(storage.get_steps(self.db, run.id))
         chapter_title = None
         if run.chapter_id is not None:
@@ -506,7 +604,7 @@ class Handlers:
     def export(self, view: View, fmt: str) -> Any:
         """Write the open project as Markdown / plain text / EPUB; the browser downloads the file."""
         project = self._project(view)
-        path = exporter.export_project(self.db, project.id, fmt or "markdown")
+        path = exporter.export_project(self.db, project.id, fmt or "markdown", owner=self._me(view))
         return gr.update(value=str(path), visible=True)
 
 
@@ -559,6 +657,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         cache = gr.State(lambda: LiveCache())
         remembered = gr.BrowserState({"project_id": None, "chapter_id": None, "compare_id": None},
                                      storage_key=BROWSER_KEY, secret="tokenswift-studio")
+        # The writer's key (multi-user studios): made on the first visit, kept by this browser (app.identity).
+        key = gr.BrowserState("", storage_key=WRITER_KEY, secret="tokenswift-studio")
         timer = gr.Timer(ctx.poll_s)
         # The Compare tab's poll runs only while that tab is open: every poll is a round trip that the page's
         # scripts handle, beside the model on a small machine (an idle page took 35% of a core in Chromium here
@@ -570,7 +670,15 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
 
         with gr.Row(elem_classes="studio-header", equal_height=True):
             gr.HTML(HEADER, elem_classes="brand-wrap", js_on_load=None)
+            with gr.Column(elem_classes="identity-wrap", visible=ctx.hosting.multi_user, scale=0, min_width=260):
+                identity_html = gr.HTML(elem_id="identity", js_on_load=None)
+                if ctx.hosting.oauth:
+                    gr.LoginButton(size="sm")
+                claim_btn = gr.Button("Keep this browser's projects", size="sm", visible=False, elem_id="claim")
             worker_html = gr.HTML(elem_id="worker-state", elem_classes="worker-wrap", js_on_load=None)
+        if ctx.hosting.storage_warning:
+            gr.HTML(f'<div class="storage-warning" id="storage-warning">{views.esc(ctx.hosting.storage_warning)}'
+                    "</div>", js_on_load=None)
 
         # -- sidebar: projects and chapters --
         with gr.Sidebar(label="Projects", open=True, width=310, elem_id="sidebar"):
@@ -715,17 +823,20 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
             return event.then(h.drive, None, None, api_visibility="private", **quiet)
 
         # The polls first: follow-up refreshes below reuse their functions, and the first registration gets the name.
-        timer.tick(h.refresh, [view, cache, remembered], write_poll_outs, api_name="refresh", concurrency_limit=8,
+        timer.tick(h.tick, [view, cache, remembered, key], write_poll_outs, api_name="refresh", concurrency_limit=8,
                    concurrency_id="poll", **quiet)
-        compare_timer.tick(h.refresh_compare, [view, cache, remembered], cmp_poll_outs, api_name="refresh_compare",
+        compare_timer.tick(h.tick_compare, [view, cache, remembered, key], cmp_poll_outs, api_name="refresh_compare",
                            concurrency_limit=8, concurrency_id="poll", **quiet)
         compare_tab.select(lambda: gr.Timer(active=True), None, compare_timer, api_visibility="private",
-                           **quiet).then(h.refresh_compare, [view, cache, remembered], cmp_poll_outs,
+                           **quiet).then(h.refresh_compare, [view, cache], cmp_poll_outs,
                                          api_visibility="private", **quiet)
         for tab in (write_tab, history_tab):
             tab.select(lambda: gr.Timer(active=False), None, compare_timer, api_visibility="private", **quiet)
-        loaded = demo.load(h.load, [view, remembered], project_outs + [new_acc, cmp_pick], api_name="load")
-        then_refresh(loaded).then(h.comparisons_table, None, cmp_table, api_visibility="private", **quiet)
+        identity_outs = [identity_html, claim_btn]
+        loaded = demo.load(h.load, [view, remembered, key], project_outs + [new_acc, cmp_pick, key, *identity_outs],
+                           api_name="load")
+        then_refresh(loaded).then(h.comparisons_table, [view], cmp_table, api_visibility="private", **quiet)
+        then_refresh(claim_btn.click(h.claim, [view, key], project_outs + identity_outs, api_name="claim"))
 
         then_refresh(create_btn.click(h.create_project, [view, new_title, new_kind, new_premise],
                                       project_outs + [new_title, new_premise, new_acc], api_name="create_project"))
@@ -773,14 +884,14 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
 
         history_outs = [runs_table, run_pick]
         details_outs = [run_summary, run_metrics, *run_plots]
-        run_pick.input(h.run_details, [run_pick], details_outs, api_name="run_details")
+        run_pick.input(h.run_details, [view, run_pick], details_outs, api_name="run_details")
         history_btn.click(h.history, [view, all_projects, run_pick], history_outs, api_name="history").then(
-            h.run_details, [run_pick], details_outs, api_visibility="private")
+            h.run_details, [view, run_pick], details_outs, api_visibility="private")
         for trigger in (history_tab.select, all_projects.input):
             trigger(h.history, [view, all_projects, run_pick], history_outs, api_visibility="private").then(
-                h.run_details, [run_pick], details_outs, api_visibility="private")
+                h.run_details, [view, run_pick], details_outs, api_visibility="private")
         runs_table.select(h.select_run, None, run_pick, api_visibility="private").then(
-            h.run_details, [run_pick], details_outs, api_visibility="private")
+            h.run_details, [view, run_pick], details_outs, api_visibility="private")
         export_btn.click(h.export, [view, export_fmt], export_file, api_name="export")
     demo.queue(default_concurrency_limit=4)
     return demo

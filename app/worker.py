@@ -231,7 +231,7 @@ class Worker:
 
     def _idle(self) -> None:
         now = time.monotonic()
-        if now - self._last_sweep > SWEEP_S:
+        if now - self._last_sweep > min(SWEEP_S, self.stale_after_s / 2):
             self._last_sweep = now
             try:
                 if ids := st.mark_interrupted(self.db, stale_after_s=self.stale_after_s):
@@ -687,6 +687,13 @@ def _thread_count(value: str) -> int | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _stale_after(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 2 * HEARTBEAT_S:
+        raise argparse.ArgumentTypeError(f"must be more than two heartbeats ({2 * HEARTBEAT_S:g} s), got {value}")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app.worker",
                                 description="TokenSwift Studio generation worker: runs queued runs from the database")
@@ -705,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=None, help="stable id: a restarted worker with the same id flags the "
                                                      "runs it was killed with as interrupted (default: host:pid)")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between queue polls when idle")
+    p.add_argument("--stale-after-s", type=_stale_after, default=STALE_AFTER_S,
+                   help=f"another worker's run without a heartbeat for this long is marked interrupted, so it can "
+                        f"be resumed (default {STALE_AFTER_S:g}; heartbeats come every {HEARTBEAT_S:g} s)")
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="CPU threads for torch: a whole number, or auto (default: torch's choice)")
     p.add_argument("--log-level", default="INFO")
@@ -727,7 +737,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     heads = None if args.heads == "none" else args.heads
     worker = Worker(db, model=args.model, heads=heads, device=args.device, compile=args.compile,
-                    worker_id=args.worker_id, poll_s=args.poll_s, weights=args.weights)
+                    worker_id=args.worker_id, poll_s=args.poll_s, weights=args.weights,
+                    stale_after_s=args.stale_after_s)
     # SIGTERM/SIGINT: finish the current step, save the run as interrupted (resumable), exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())

@@ -11,7 +11,7 @@ database. Knows nothing of torch, gradio or the model.
 from .db import Database, open_database, resolve_url
 from .errors import NotFoundError, StorageError, ValidationError
 from .models import (
-    CHAPTER_STATUSES, PROJECT_KINDS, RUN_METHODS, RUN_MODES, RUN_STATUSES,
+    CHAPTER_STATUSES, LOCAL_OWNER, PROJECT_KINDS, RUN_METHODS, RUN_MODES, RUN_STATUSES,
     Chapter, ChapterRevision, Comparison, Project, Run, StepMetric, WorkerState,
 )
 from .queries import (
@@ -20,18 +20,19 @@ from .queries import (
     get_project, get_run, get_run_token_ids, get_steps, get_worker_states, is_cancel_requested,
     latest_run_for_chapter, list_chapters, list_comparisons, list_projects, list_revisions, list_runs,
     mark_interrupted, move_chapter, queue_position, rename_project, request_cancel, set_chapter_text,
-    set_run_prompt, set_worker_state, settle_comparison, start_chapter_run, update_chapter, update_project,
+    set_run_prompt, set_worker_state, settle_comparison, start_chapter_run, transfer_projects, update_chapter,
+    update_project,
 )
 
 __all__ = [
     "Database", "open_database", "resolve_url", "NotFoundError",
     "StorageError", "ValidationError", "CHAPTER_STATUSES", "PROJECT_KINDS", "RUN_METHODS", "RUN_MODES",
-    "RUN_STATUSES", "Chapter", "ChapterRevision", "Comparison", "Project", "Run", "StepMetric",
+    "RUN_STATUSES", "LOCAL_OWNER", "Chapter", "ChapterRevision", "Comparison", "Project", "Run", "StepMetric",
     "WorkerState", "STEP_FIELDS", "active_runs", "add_chapter", "append_output", "claim_next_run",
     "create_comparison", "create_project", "delete_chapter", "delete_project", "enqueue_run", "finish_run",
     "first_divergence", "get_chapter", "get_comparison", "get_project", "get_run", "get_run_token_ids",
     "get_steps", "get_worker_states", "is_cancel_requested", "latest_run_for_chapter", "list_chapters",
     "list_comparisons", "list_projects", "list_revisions", "list_runs", "mark_interrupted", "move_chapter",
     "queue_position", "rename_project", "request_cancel", "set_chapter_text", "set_worker_state",
-    "settle_comparison", "start_chapter_run", "update_chapter", "update_project",
+    "settle_comparison", "start_chapter_run", "transfer_projects", "update_chapter", "update_project",
 ]

@@ -26,6 +26,9 @@ RUN_METHODS = ("ar", "tokenswift")
 RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
 ACTIVE_STATUSES = ("queued", "running")
 FINAL_STATUSES = ("done", "failed", "cancelled", "interrupted")
+# The writer of a single-user studio (a laptop): every row made without a signed-in or browser-keyed writer.
+LOCAL_OWNER = "local"
+MAX_OWNER = 100
 
 
 def utcnow() -> datetime:
@@ -77,6 +80,9 @@ class Project(Base):
     __tablename__ = "projects"
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    # Who may see it: LOCAL_OWNER, "hf:<username>" or "key:<hash of a browser's secret key>" (app.identity).
+    owner: Mapped[str] = mapped_column(String(MAX_OWNER), default=LOCAL_OWNER, server_default=LOCAL_OWNER,
+                                       index=True)
     title: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(20), default="novel")
     premise: Mapped[str] = mapped_column(Text, default="")
@@ -119,6 +125,8 @@ class Comparison(Base):
     __tablename__ = "comparisons"
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    owner: Mapped[str] = mapped_column(String(MAX_OWNER), default=LOCAL_OWNER, server_default=LOCAL_OWNER,
+                                       index=True)
     project_id: Mapped[int | None] = mapped_column(ForeignKey("projects.id", ondelete="SET NULL"), index=True)
     prompt: Mapped[str] = mapped_column(Text)
     settings: Mapped[dict[str, Any]] = mapped_column(JSONDict, default=dict)
@@ -138,6 +146,9 @@ class Run(Base):
     __table_args__ = (Index("ix_runs_status_queued_at", "status", "queued_at", "id"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    # Its project's or comparison's owner, kept when those are deleted (history, per-writer queue limits).
+    owner: Mapped[str] = mapped_column(String(MAX_OWNER), default=LOCAL_OWNER, server_default=LOCAL_OWNER,
+                                       index=True)
     # SET NULL: deleting a project or chapter keeps the run history.
     project_id: Mapped[int | None] = mapped_column(ForeignKey("projects.id", ondelete="SET NULL"), index=True)
     chapter_id: Mapped[int | None] = mapped_column(ForeignKey("chapters.id", ondelete="SET NULL"), index=True)

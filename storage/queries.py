@@ -6,6 +6,11 @@ rewritten from Python while generating: output is appended in SQL
 (``text = text || :delta``). Token ids live in ``runs.token_ids`` as JSON text,
 appended the same way; read them with ``get_run_token_ids``.
 
+Ownership: projects, comparisons and runs have an ``owner`` (a writer; ``LOCAL_OWNER`` on a single-user
+studio). Every function that takes ``owner`` acts only on that writer's rows: another writer's id raises the same
+NotFoundError as an id that does not exist, so nothing about other writers leaks. ``owner=None`` means unscoped:
+the worker and the tools, never the UI.
+
 Delete semantics: deleting a project deletes its chapters and their revisions;
 its runs and comparisons are kept (their project/chapter ids become NULL) and
 active ones are cancelled. Deleting a chapter does the same for its runs.
@@ -30,7 +35,7 @@ from sqlalchemy.orm import Session, defer
 from .db import Database
 from .errors import NotFoundError, StorageError, ValidationError
 from .models import (
-    ACTIVE_STATUSES, FINAL_STATUSES, PROJECT_KINDS, RUN_METHODS, RUN_MODES,
+    ACTIVE_STATUSES, FINAL_STATUSES, LOCAL_OWNER, MAX_OWNER, PROJECT_KINDS, RUN_METHODS, RUN_MODES,
     Chapter, ChapterRevision, Comparison, Project, Run, StepMetric, WorkerState, utcnow,
 )
 
@@ -57,6 +62,24 @@ def _get(s: Session, model: type[M], id: Any, lock: bool = False) -> M:
     if obj is None:
         raise NotFoundError(f"{model.__name__} {id} does not exist.")
     return obj
+
+
+def _owner_of(s: Session, obj: Any) -> str | None:
+    if isinstance(obj, Chapter):
+        return s.scalar(select(Project.owner).where(Project.id == obj.project_id))
+    return obj.owner
+
+
+def _owned(s: Session, model: type[M], id: Any, owner: str | None, lock: bool = False) -> M:
+    """``_get``, and for a given ``owner`` the row must be theirs (else the very same NotFoundError)."""
+    obj = _get(s, model, id, lock)
+    if owner is not None and _owner_of(s, obj) != owner:
+        raise NotFoundError(f"{model.__name__} {id} does not exist.")
+    return obj
+
+
+def _check_owner(owner: Any) -> str:
+    return _text(owner, "owner", MAX_OWNER, required=True)
 
 
 def _text(value: Any, what: str, max_len: int, required: bool = False) -> str:
@@ -110,9 +133,9 @@ def _cancel_active(s: Session, *where: Any) -> None:
 # -- projects ---------------------------------------------------------------------
 
 def create_project(db: Database, title: str, kind: str = "novel", premise: str = "",
-                   settings: Mapping[str, Any] | None = None) -> Project:
-    """Create a project. Raises ValidationError for an empty/long title, unknown kind or long premise."""
-    project = Project(title=_text(title, "title", MAX_TITLE, required=True).strip(),
+                   settings: Mapping[str, Any] | None = None, *, owner: str = LOCAL_OWNER) -> Project:
+    """Create ``owner``'s project. Raises ValidationError for an empty/long title, unknown kind or long premise."""
+    project = Project(owner=_check_owner(owner), title=_text(title, "title", MAX_TITLE, required=True).strip(),
                       kind=_choice(kind, "project kind", PROJECT_KINDS),
                       premise=_text(premise, "premise", MAX_PREMISE), settings=_settings(settings))
     with db.write() as s:
@@ -120,32 +143,35 @@ def create_project(db: Database, title: str, kind: str = "novel", premise: str =
     return project
 
 
-def list_projects(db: Database) -> list[Project]:
-    """All projects, most recently updated first."""
+def list_projects(db: Database, owner: str | None = None) -> list[Project]:
+    """The projects (of ``owner``, or all), most recently updated first."""
+    query = select(Project).order_by(Project.updated_at.desc(), Project.id.desc())
+    if owner is not None:
+        query = query.where(Project.owner == owner)
     with db.read() as s:
-        return list(s.scalars(select(Project).order_by(Project.updated_at.desc(), Project.id.desc())))
+        return list(s.scalars(query))
 
 
-def get_project(db: Database, project_id: int) -> Project:
-    """One project; NotFoundError if missing."""
+def get_project(db: Database, project_id: int, owner: str | None = None) -> Project:
+    """One project; NotFoundError if missing (or another writer's)."""
     with db.read() as s:
-        return _get(s, Project, project_id)
+        return _owned(s, Project, project_id, owner)
 
 
-def rename_project(db: Database, project_id: int, title: str) -> Project:
+def rename_project(db: Database, project_id: int, title: str, owner: str | None = None) -> Project:
     """Change a project's title."""
     title = _text(title, "title", MAX_TITLE, required=True).strip()
     with db.write() as s:
-        project = _get(s, Project, project_id, lock=True)
+        project = _owned(s, Project, project_id, owner, lock=True)
         project.title = title
     return project
 
 
 def update_project(db: Database, project_id: int, *, premise: str | None = None, kind: str | None = None,
-                   settings: Mapping[str, Any] | None = None) -> Project:
+                   settings: Mapping[str, Any] | None = None, owner: str | None = None) -> Project:
     """Change a project's premise, kind and/or default generation settings (None = keep)."""
     with db.write() as s:
-        project = _get(s, Project, project_id, lock=True)
+        project = _owned(s, Project, project_id, owner, lock=True)
         if premise is not None:
             project.premise = _text(premise, "premise", MAX_PREMISE)
         if kind is not None:
@@ -155,22 +181,38 @@ def update_project(db: Database, project_id: int, *, premise: str | None = None,
     return project
 
 
-def delete_project(db: Database, project_id: int) -> None:
+def delete_project(db: Database, project_id: int, owner: str | None = None) -> None:
     """Delete a project with its chapters; its runs are kept (project_id NULL), active ones cancelled."""
     with db.write() as s:
-        _get(s, Project, project_id, lock=True)
+        _owned(s, Project, project_id, owner, lock=True)
         _cancel_active(s, Run.project_id == project_id)
         s.execute(delete(Project).where(Project.id == project_id))  # FKs cascade / set NULL
 
 
+def transfer_projects(db: Database, from_owner: str, to_owner: str) -> int:
+    """Give everything ``from_owner`` made (projects, comparisons, runs) to ``to_owner``; returns the projects moved.
+
+    A writer who signs in keeps what they wrote under their browser key.
+    """
+    from_owner, to_owner = _check_owner(from_owner), _check_owner(to_owner)
+    if from_owner == to_owner:
+        return 0
+    with db.write() as s:
+        moved = s.execute(update(Project).where(Project.owner == from_owner).values(owner=to_owner)).rowcount
+        for model in (Comparison, Run):
+            s.execute(update(model).where(model.owner == from_owner).values(owner=to_owner))
+    return moved
+
+
 # -- chapters ---------------------------------------------------------------------
 
-def add_chapter(db: Database, project_id: int, title: str = "", instructions: str = "") -> Chapter:
+def add_chapter(db: Database, project_id: int, title: str = "", instructions: str = "",
+                owner: str | None = None) -> Chapter:
     """Append a chapter at the end of a project (an empty title becomes "Chapter N")."""
     _text(title, "chapter title", MAX_TITLE)
     _text(instructions, "instructions", MAX_INSTRUCTIONS)
     with db.write() as s:
-        _get(s, Project, project_id, lock=True)
+        _owned(s, Project, project_id, owner, lock=True)
         n = s.scalar(select(func.count()).where(Chapter.project_id == project_id)) or 0
         chapter = Chapter(project_id=project_id, position=n, title=title.strip() or f"Chapter {n + 1}",
                           instructions=instructions)
@@ -178,26 +220,28 @@ def add_chapter(db: Database, project_id: int, title: str = "", instructions: st
     return chapter
 
 
-def list_chapters(db: Database, project_id: int, with_text: bool = False) -> list[Chapter]:
-    """A project's chapters in order. Without ``with_text`` the (long) text is not loaded."""
+def list_chapters(db: Database, project_id: int, with_text: bool = False, owner: str | None = None) -> list[Chapter]:
+    """A project's chapters in order (none if it is another writer's). Without ``with_text`` the text is not loaded."""
     query = select(Chapter).where(Chapter.project_id == project_id).order_by(Chapter.position, Chapter.id)
+    if owner is not None:
+        query = query.join(Project, Project.id == Chapter.project_id).where(Project.owner == owner)
     if not with_text:
         query = query.options(defer(Chapter.text))
     with db.read() as s:
         return list(s.scalars(query))
 
 
-def get_chapter(db: Database, chapter_id: int) -> Chapter:
-    """One chapter with its text; NotFoundError if missing."""
+def get_chapter(db: Database, chapter_id: int, owner: str | None = None) -> Chapter:
+    """One chapter with its text; NotFoundError if missing (or another writer's)."""
     with db.read() as s:
-        return _get(s, Chapter, chapter_id)
+        return _owned(s, Chapter, chapter_id, owner)
 
 
 def update_chapter(db: Database, chapter_id: int, *, title: str | None = None,
-                   instructions: str | None = None) -> Chapter:
+                   instructions: str | None = None, owner: str | None = None) -> Chapter:
     """Change a chapter's title and/or instructions (None = keep)."""
     with db.write() as s:
-        chapter = _get(s, Chapter, chapter_id, lock=True)
+        chapter = _owned(s, Chapter, chapter_id, owner, lock=True)
         if title is not None:
             chapter.title = _text(title, "chapter title", MAX_TITLE, required=True).strip()
         if instructions is not None:
@@ -205,7 +249,8 @@ def update_chapter(db: Database, chapter_id: int, *, title: str | None = None,
     return chapter
 
 
-def set_chapter_text(db: Database, chapter_id: int, text: str, reason: str = "manual edit") -> Chapter:
+def set_chapter_text(db: Database, chapter_id: int, text: str, reason: str = "manual edit",
+                     owner: str | None = None) -> Chapter:
     """Replace a chapter's text by hand; the old text is saved as a revision first if it differed.
 
     Refused while a run is writing into the chapter.
@@ -213,7 +258,7 @@ def set_chapter_text(db: Database, chapter_id: int, text: str, reason: str = "ma
     if not isinstance(text, str):
         raise ValidationError("The chapter text must be text.")
     with db.write() as s:
-        chapter = _get(s, Chapter, chapter_id, lock=True)
+        chapter = _owned(s, Chapter, chapter_id, owner, lock=True)
         if s.scalar(select(Run.id).where(Run.chapter_id == chapter_id, Run.status == "running").limit(1)):
             raise ValidationError("This chapter is being generated; cancel the run before editing it.")
         if chapter.text != text:
@@ -227,9 +272,10 @@ def set_chapter_text(db: Database, chapter_id: int, text: str, reason: str = "ma
     return chapter
 
 
-def list_revisions(db: Database, chapter_id: int) -> list[ChapterRevision]:
+def list_revisions(db: Database, chapter_id: int, owner: str | None = None) -> list[ChapterRevision]:
     """A chapter's saved earlier texts, newest first."""
     with db.read() as s:
+        _owned(s, Chapter, chapter_id, owner)
         return list(s.scalars(select(ChapterRevision).where(ChapterRevision.chapter_id == chapter_id)
                               .order_by(ChapterRevision.id.desc())))
 
@@ -244,10 +290,10 @@ def _chapter_order(s: Session, project_id: int) -> list[int]:
                           .order_by(Chapter.position, Chapter.id)))
 
 
-def move_chapter(db: Database, chapter_id: int, new_position: int) -> Chapter:
+def move_chapter(db: Database, chapter_id: int, new_position: int, owner: str | None = None) -> Chapter:
     """Move a chapter to ``new_position`` (0-based, clamped); positions are renumbered 0..n-1."""
     with db.write() as s:
-        chapter = _get(s, Chapter, chapter_id, lock=True)
+        chapter = _owned(s, Chapter, chapter_id, owner, lock=True)
         order = _chapter_order(s, chapter.project_id)
         order.remove(chapter_id)
         order.insert(max(0, min(int(new_position), len(order))), chapter_id)
@@ -256,10 +302,10 @@ def move_chapter(db: Database, chapter_id: int, new_position: int) -> Chapter:
     return chapter
 
 
-def delete_chapter(db: Database, chapter_id: int) -> None:
+def delete_chapter(db: Database, chapter_id: int, owner: str | None = None) -> None:
     """Delete a chapter and its revisions; its runs are kept (chapter_id NULL), active ones cancelled."""
     with db.write() as s:
-        project_id = _get(s, Chapter, chapter_id, lock=True).project_id
+        project_id = _owned(s, Chapter, chapter_id, owner, lock=True).project_id
         _cancel_active(s, Run.chapter_id == chapter_id)
         s.execute(delete(Chapter).where(Chapter.id == chapter_id))
         _renumber(s, _chapter_order(s, project_id))
@@ -267,38 +313,52 @@ def delete_chapter(db: Database, chapter_id: int) -> None:
 
 # -- runs: queueing -----------------------------------------------------------------
 
+def _check_queue(s: Session, owner: str, adding: int, max_queued: int | None) -> None:
+    """Refuse ``adding`` more queued runs of ``owner`` beyond ``max_queued`` (None: no limit)."""
+    if max_queued is None:
+        return
+    waiting = s.scalar(select(func.count()).where(Run.owner == owner, Run.status == "queued")) or 0
+    if waiting + adding > max_queued:
+        raise ValidationError(f"You already have {waiting} run(s) waiting in the queue; this studio takes at most "
+                              f"{max_queued} per writer. Wait for one to start, or stop one.")
+
+
 def enqueue_run(db: Database, *, mode: str, method: str, model: str, settings: Mapping[str, Any] | None = None,
                 prompt: str | None = None, heads: str | None = None, project_id: int | None = None,
-                chapter_id: int | None = None, comparison_id: int | None = None) -> Run:
-    """Queue a run (status "queued"). For chapter runs prefer ``start_chapter_run``."""
+                chapter_id: int | None = None, comparison_id: int | None = None,
+                owner: str = LOCAL_OWNER) -> Run:
+    """Queue ``owner``'s run (status "queued"). For chapter runs prefer ``start_chapter_run``."""
     run = Run(mode=_choice(mode, "mode", RUN_MODES), method=_choice(method, "method", RUN_METHODS),
               model=_text(model, "model name", 500, required=True), heads=heads, settings=_settings(settings),
-              prompt=prompt, project_id=project_id, chapter_id=chapter_id, comparison_id=comparison_id)
+              prompt=prompt, project_id=project_id, chapter_id=chapter_id, comparison_id=comparison_id,
+              owner=_check_owner(owner))
     with db.write() as s:
         for table, id in ((Project, project_id), (Chapter, chapter_id), (Comparison, comparison_id)):
             if id is not None:
-                _get(s, table, id)
+                _owned(s, table, id, owner)
         s.add(run)
     return run
 
 
 def start_chapter_run(db: Database, chapter_id: int, mode: str, *, method: str, model: str,
                       settings: Mapping[str, Any] | None = None, heads: str | None = None,
-                      prompt: str | None = None) -> Run:
+                      prompt: str | None = None, owner: str | None = None, max_queued: int | None = None) -> Run:
     """Queue a generate / continue / regenerate / resume run that writes into a chapter.
 
     Nothing changes in the chapter until a worker claims the run; ``claim_next_run``
     then, in the same transaction, marks the chapter "generating" and, for
     "regenerate", saves its text as a revision and clears it. For the other modes
     the text is kept and the output appended. Refused if the chapter already has
-    a queued or running run.
+    a queued or running run, or when its writer already has ``max_queued`` runs waiting.
     """
     _choice(mode, "chapter mode", CHAPTER_MODES)
     with db.write() as s:
-        chapter = _get(s, Chapter, chapter_id, lock=True)
+        chapter = _owned(s, Chapter, chapter_id, owner, lock=True)
         if s.scalar(select(Run.id).where(Run.chapter_id == chapter_id, Run.status.in_(ACTIVE_STATUSES)).limit(1)):
             raise ValidationError("This chapter already has a run queued or in progress.")
-        run = Run(mode=mode, method=_choice(method, "method", RUN_METHODS),
+        writer = _owner_of(s, chapter)
+        _check_queue(s, writer, 1, max_queued)
+        run = Run(owner=writer, mode=mode, method=_choice(method, "method", RUN_METHODS),
                   model=_text(model, "model name", 500, required=True), heads=heads,
                   settings=_settings(settings), prompt=prompt, project_id=chapter.project_id, chapter_id=chapter_id)
         s.add(run)
@@ -306,14 +366,19 @@ def start_chapter_run(db: Database, chapter_id: int, mode: str, *, method: str, 
 
 
 def claim_next_run(db: Database, worker_id: str) -> Run | None:
-    """Atomically take the oldest queued run for ``worker_id`` (status -> "running"); None if the queue is empty.
+    """Atomically take the oldest queued run for ``worker_id`` (status -> "running"); None if none may start.
 
     One UPDATE picks and flips the row, so two workers can never get the same run:
     on SQLite it runs under BEGIN IMMEDIATE (one writer at a time), on PostgreSQL
-    the inner SELECT uses FOR UPDATE SKIP LOCKED.
+    the inner SELECT uses FOR UPDATE SKIP LOCKED. A writer runs one run at a time:
+    runs of a writer who already has one running wait, so with several workers one
+    writer's queue cannot take them all. The local writer of a single-user studio
+    is exempt (their runs may use every worker).
     """
     now = utcnow()
-    oldest = (select(Run.id).where(Run.status == "queued").order_by(Run.queued_at, Run.id).limit(1)
+    busy = select(Run.owner).where(Run.status == "running", Run.owner != LOCAL_OWNER)
+    oldest = (select(Run.id).where(Run.status == "queued", Run.owner.not_in(busy))
+              .order_by(Run.queued_at, Run.id).limit(1)
               .with_for_update(skip_locked=True).scalar_subquery())
     with db.write() as s:
         run = s.scalars(update(Run).where(Run.id == oldest, Run.status == "queued")
@@ -430,13 +495,13 @@ def finish_run(db: Database, run_id: int, status: str, error: str | None = None,
     return run
 
 
-def request_cancel(db: Database, run_id: int) -> str:
+def request_cancel(db: Database, run_id: int, owner: str | None = None) -> str:
     """Cancel a run: a queued one becomes "cancelled" at once, a running one is flagged for its worker.
 
     Returns the run's status afterwards (finished runs are left alone).
     """
     with db.write() as s:
-        run = _get(s, Run, run_id, lock=True)
+        run = _owned(s, Run, run_id, owner, lock=True)
         if run.status in ACTIVE_STATUSES:
             run.cancel_requested = True
         if run.status == "queued":
@@ -478,10 +543,10 @@ def mark_interrupted(db: Database, worker_id: str | None = None, *, stale_after_
 
 # -- runs: reading ------------------------------------------------------------------------
 
-def get_run(db: Database, run_id: int) -> Run:
-    """One run with its text (token ids: ``get_run_token_ids``); NotFoundError if missing."""
+def get_run(db: Database, run_id: int, owner: str | None = None) -> Run:
+    """One run with its text (token ids: ``get_run_token_ids``); NotFoundError if missing (or another writer's)."""
     with db.read() as s:
-        return _get(s, Run, run_id)
+        return _owned(s, Run, run_id, owner)
 
 
 def get_run_token_ids(db: Database, run_id: int) -> list[int]:
@@ -514,12 +579,14 @@ def queue_position(db: Database, run_id: int) -> int | None:
         return s.scalar(select(func.count()).where(Run.status == "queued", ahead))
 
 
-def list_runs(db: Database, project_id: int | None = None, limit: int = 50) -> list[Run]:
-    """Newest runs first (all, or one project's), without their texts."""
+def list_runs(db: Database, project_id: int | None = None, limit: int = 50, owner: str | None = None) -> list[Run]:
+    """Newest runs first (all, or one project's; of ``owner`` or anyone's), without their texts."""
     # Listings leave out the (long) text; reading run.text afterwards raises.
     query = select(Run).options(defer(Run.text)).order_by(Run.id.desc()).limit(limit)
     if project_id is not None:
         query = query.where(Run.project_id == project_id)
+    if owner is not None:
+        query = query.where(Run.owner == owner)
     with db.read() as s:
         return list(s.scalars(query))
 
@@ -532,9 +599,11 @@ def active_runs(db: Database) -> list[Run]:
         return list(s.scalars(query))
 
 
-def latest_run_for_chapter(db: Database, chapter_id: int) -> Run | None:
+def latest_run_for_chapter(db: Database, chapter_id: int, owner: str | None = None) -> Run | None:
     """The chapter's most recent run (with its text), or None."""
     with db.read() as s:
+        if owner is not None:
+            _owned(s, Chapter, chapter_id, owner)
         return s.scalars(select(Run).where(Run.chapter_id == chapter_id).order_by(Run.id.desc()).limit(1)).first()
 
 
@@ -550,17 +619,25 @@ def get_steps(db: Database, run_id: int, after_step: int | None = None) -> list[
 # -- comparisons ---------------------------------------------------------------------
 
 def create_comparison(db: Database, prompt: str, *, model: str, settings: Mapping[str, Any] | None = None,
-                      heads: str | None = None, project_id: int | None = None) -> Comparison:
-    """Create a comparison and queue its two runs: plain AR first, then TokenSwift (with ``heads``)."""
+                      heads: str | None = None, project_id: int | None = None, owner: str = LOCAL_OWNER,
+                      max_queued: int | None = None) -> Comparison:
+    """Create ``owner``'s comparison and queue its two runs: plain AR first, then TokenSwift (with ``heads``).
+
+    Refused when the writer would have more than ``max_queued`` runs waiting.
+    """
     _text(prompt, "prompt", MAX_PROMPT, required=True)
     _text(model, "model name", 500, required=True)
+    owner = _check_owner(owner)
     settings = _settings(settings)
     with db.write() as s:
-        comparison = Comparison(project_id=project_id, prompt=prompt, settings=settings)
+        if project_id is not None:
+            _owned(s, Project, project_id, owner)
+        _check_queue(s, owner, 2, max_queued)
+        comparison = Comparison(owner=owner, project_id=project_id, prompt=prompt, settings=settings)
         s.add(comparison)
         s.flush()
-        runs = [Run(mode="compare", method=method, model=model, heads=h, settings=settings, prompt=prompt,
-                    project_id=project_id, comparison_id=comparison.id)
+        runs = [Run(owner=owner, mode="compare", method=method, model=model, heads=h, settings=settings,
+                    prompt=prompt, project_id=project_id, comparison_id=comparison.id)
                 for method, h in (("ar", None), ("tokenswift", heads))]
         s.add_all(runs)
         s.flush()  # ar is inserted first: lower id, so it is claimed first
@@ -568,17 +645,20 @@ def create_comparison(db: Database, prompt: str, *, model: str, settings: Mappin
     return comparison
 
 
-def get_comparison(db: Database, comparison_id: int) -> Comparison:
-    """One comparison; NotFoundError if missing."""
+def get_comparison(db: Database, comparison_id: int, owner: str | None = None) -> Comparison:
+    """One comparison; NotFoundError if missing (or another writer's)."""
     with db.read() as s:
-        return _get(s, Comparison, comparison_id)
+        return _owned(s, Comparison, comparison_id, owner)
 
 
-def list_comparisons(db: Database, project_id: int | None = None, limit: int = 50) -> list[Comparison]:
-    """Newest comparisons first."""
+def list_comparisons(db: Database, project_id: int | None = None, limit: int = 50,
+                     owner: str | None = None) -> list[Comparison]:
+    """Newest comparisons first (of ``owner``, or anyone's)."""
     query = select(Comparison).order_by(Comparison.id.desc()).limit(limit)
     if project_id is not None:
         query = query.where(Comparison.project_id == project_id)
+    if owner is not None:
+        query = query.where(Comparison.owner == owner)
     with db.read() as s:
         return list(s.scalars(query))
 

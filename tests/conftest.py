@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from postgres import PostgresServer, binaries, postgres_server
 
 from app.studio_process import StudioServer, free_port
 from app.studio_process import studio_server as app_server
@@ -64,6 +65,28 @@ def db(tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server for the session (tests/postgres.py)."""
+    if binaries() is None:
+        message = "PostgreSQL is not installed: `make postgres` (apt-get install postgresql)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_db(request: pytest.FixtureRequest, tmp_path: Path):
+    """A fresh database migrated to the head schema: a SQLite file, then a new database on the PostgreSQL server."""
+    import storage
+
+    url = tmp_path / "studio.db" if request.param == "sqlite" else request.getfixturevalue("postgres").create_database()
+    with storage.open_database(url) as database:
+        yield database
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint folder (a valid model spec)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
@@ -101,7 +124,7 @@ def smol_fp32():
 # -- the studio server (tests/test_app_api.py, tests/test_browser.py) ----------------------------------------------
 
 @contextmanager
-def studio_server(folder: Path, model_dir: Path, *, db_path: Path | None = None, port: int | None = None,
+def studio_server(folder: Path, model_dir: Path, *, db_path: Path | str | None = None, port: int | None = None,
                   args: tuple[str, ...] = ()) -> Iterator[StudioServer]:
     """`app.py` on the tiny model (no heads, eager) with its database in `folder` unless given; stopped after."""
     port = port or free_port()

@@ -215,3 +215,12 @@ def test_only_one_request_drives_at_a_time(monkeypatch):
     assert driver.drive() == 0  # the second request returns at once
     gate.set()
     t.join(5)
+
+
+def test_app_settings_carry_the_hosting_policy():
+    entry = load_entry()
+    settings = entry.parse_settings(["--multi-user"], env={"TOKENSWIFT_MAX_TOKENS": "2000"})
+    assert settings.hosting.multi_user and settings.hosting.max_tokens == 2000
+    assert not entry.parse_settings([], env={}).hosting.multi_user
+    assert entry.parse_settings(["--host", "0.0.0.0"], env={}).hosting.multi_user
+    assert not entry.parse_settings(["--host", "0.0.0.0", "--no-multi-user"], env={}).hosting.multi_user

@@ -1,4 +1,5 @@
-"""storage.queries on a real SQLite file: projects, chapters, the run queue, comparisons, corrupt rows."""
+"""storage.queries on a real SQLite file and a real PostgreSQL server: projects, chapters, the run queue, comparisons,
+corrupt rows."""
 
 import logging
 from datetime import timedelta
@@ -9,6 +10,12 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 import storage as st
 from storage.models import utcnow
+
+
+@pytest.fixture
+def db(any_db):
+    """Every test here runs on SQLite and on a real PostgreSQL server."""
+    return any_db
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -26,8 +27,14 @@ def tables(db):
     return set(sa.inspect(db.engine).get_table_names()) - {"alembic_version"}
 
 
-def test_migrations_match_models(tmp_path):
-    with st.open_database(tmp_path / "studio.db") as db:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+    """Where a fresh database is made: a SQLite file, or a new database on the real PostgreSQL server."""
+    return tmp_path / "studio.db" if request.param == "sqlite" else request.getfixturevalue("postgres").create_database()
+
+
+def test_migrations_match_models(url):
+    with st.open_database(url) as db:
         assert db.current_revision() == HEAD
         assert tables(db) == set(Base.metadata.tables)
         assert schema_diff(db) == []
@@ -42,8 +49,8 @@ def test_reopen_is_a_noop(tmp_path):
         assert [p.id for p in st.list_projects(db)] == [project.id]
 
 
-def test_downgrade_to_base_and_back(tmp_path):
-    with st.open_database(tmp_path / "studio.db") as db:
+def test_downgrade_to_base_and_back(url):
+    with st.open_database(url) as db:
         db.downgrade("base")
         assert db.current_revision() is None and tables(db) == set()
         db.upgrade()
@@ -91,3 +98,29 @@ def test_alembic_command_line(tmp_path):
     assert HEAD in out.stdout
     with st.open_database(path) as db:
         assert schema_diff(db) == []
+
+
+def test_a_single_user_database_upgrades_with_its_projects_intact(url):
+    """A database made before ownership (schema 0001) keeps every project, chapter, run and comparison, all the
+    local writer's: a laptop's studio looks as before."""
+    with st.open_database(url) as db:
+        db.downgrade("0001")
+        with db.engine.begin() as conn:
+            conn.exec_driver_sql("INSERT INTO projects (id, title, kind, premise, settings, created_at, updated_at) "
+                                 "VALUES (7, 'Old novel', 'novel', 'p', '{}', '2026-01-01', '2026-01-01')")
+            conn.exec_driver_sql("INSERT INTO chapters (id, project_id, position, title, instructions, text, "
+                                 "word_count, status, created_at, updated_at) VALUES (3, 7, 0, 'One', '', "
+                                 "'Old text.', 2, 'draft', '2026-01-01', '2026-01-01')")
+            conn.exec_driver_sql("INSERT INTO comparisons (id, prompt, settings, created_at) "
+                                 "VALUES (5, 'p', '{}', '2026-01-01')")
+            conn.exec_driver_sql("INSERT INTO runs (id, project_id, chapter_id, mode, method, model, settings, status, "
+                                 "cancel_requested, queued_at, n_tokens, text, token_ids) VALUES (9, 7, 3, 'generate', "
+                                 "'ar', 'm', '{}', 'done', FALSE, '2026-01-01', 2, 'Old text.', '[1,2]')")
+    with st.open_database(url) as db:
+        assert db.current_revision() == HEAD and schema_diff(db) == []
+        assert [p.title for p in st.list_projects(db, st.LOCAL_OWNER)] == ["Old novel"]
+        assert st.get_chapter(db, 3, st.LOCAL_OWNER).text == "Old text."
+        assert [r.id for r in st.list_runs(db, owner=st.LOCAL_OWNER)] == [9]
+        assert st.get_run_token_ids(db, 9) == [1, 2]
+        assert [c.id for c in st.list_comparisons(db, owner=st.LOCAL_OWNER)] == [5]
+        assert st.list_projects(db, "hf:someone") == []

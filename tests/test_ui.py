@@ -309,7 +309,7 @@ def test_compare_flow_and_history(h, db):
     rows = table["value"]
     assert [r[4] for r in rows] == ["TokenSwift", "Vanilla"] and rows[0][8].endswith("×")
     assert picker["value"] == comparison.tokenswift_run_id
-    summary, metrics, *figures = h.run_details(comparison.tokenswift_run_id)
+    summary, metrics, *figures = h.run_details(view, comparison.tokenswift_run_id)
     assert metrics["steps"] == 4 and metrics["speedup"] == pytest.approx(2.0) and "TokenSwift" in summary
     assert metrics["tokens_per_step"] == pytest.approx(2.0)
     assert len(figures) == 3

@@ -26,10 +26,12 @@ def tiny_engine(tiny_model_dir, one_thread):
     return Engine.load(str(tiny_model_dir), heads=None, device="cpu")
 
 
-def start_worker(db_path: Path, model: str, worker_id: str, log: Path, heads: str = "none") -> subprocess.Popen:
+def start_worker(db_path: Path | str, model: str, worker_id: str, log: Path, heads: str = "none",
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "app.worker", "--db", str(db_path), "--model", model, "--heads", heads, "--no-compile",
-           "--device", "cpu", "--worker-id", worker_id, "--threads", "1", "--poll-s", "0.1", "--log-level", "INFO"]
+           "--device", "cpu", "--worker-id", worker_id, "--threads", "1", "--poll-s", "0.1", "--log-level", "INFO",
+           *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
