@@ -85,6 +85,7 @@ class WriteUpdate:
     status_html: str | None = None
     text: tuple[str, bool] | None = None  # (value, editable)
     counts_html: str | None = None
+    goal_html: str | None = None
     figures: tuple[go.Figure, go.Figure, go.Figure] | None = None
     controls: dict[str, Any] | None = None  # can_write, active, resumable, run_id
 
@@ -124,6 +125,15 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
     if cache.due("chapters", tuple((c.id, c.title, c.status) for c in chapters) + (view.chapter_id,), now):
         up.chapters = ([(views.chapter_label(i, c), c.id) for i, c in enumerate(chapters)],
                        chapter.id if chapter else None)
+    goal = None
+    if view.project_id is not None:
+        try:
+            goal = storage.get_project(db, view.project_id).goal_words
+        except storage.NotFoundError:
+            pass
+    goal_html = views.goal_line(sum(c.word_count for c in chapters), goal)
+    if cache.due("goal", goal_html, now):
+        up.goal_html = goal_html
 
     run = storage.latest_run_for_chapter(db, chapter.id) if chapter is not None else None
     active = run is not None and run.status in views.ACTIVE

@@ -169,7 +169,7 @@ class Handlers:
         return {"project_id": view.project_id, "chapter_id": view.chapter_id, "compare_id": view.compare_id}
 
     def project_outputs(self, view: View) -> list[Any]:
-        """Values for PROJECT outputs: picker, title, kind, premise (+ owner), settings, then chapter outputs."""
+        """Values for PROJECT outputs: picker, title, kind, premise (+ owner), goal, settings, then chapter outputs."""
         project = storage.get_project(self.db, view.project_id, self._me(view)) if view.project_id is not None else None
         panel = self.write_panel
         settings = panel.updates(project.settings if project else None) if panel else []
@@ -179,6 +179,7 @@ class Handlers:
             gr.update(value=project.kind if project else "novel"),
             gr.update(value=project.premise if project else "", interactive=project is not None),
             project.id if project else 0,
+            gr.update(value=(project.goal_words or 0) if project else 0),
         ]
         return head + settings + self.chapter_outputs(view)
 
@@ -314,14 +315,18 @@ class Handlers:
         return self.project_outputs(view)
 
     @guarded
-    def save_project(self, view: View, owner: Any, title: str, kind: str) -> list[Any]:
-        """Rename the open project and/or change its kind."""
+    def save_project(self, view: View, owner: Any, title: str, kind: str, goal: Any = None) -> list[Any]:
+        """Rename the open project, change its kind and/or its word goal (0: none)."""
         self._check_owner(view, owner)
         project = self._project(view)
         if title != project.title:
             storage.rename_project(self.db, project.id, title, self._me(view))
         if kind and kind != project.kind:
             storage.update_project(self.db, project.id, kind=kind, owner=self._me(view))
+        if goal is not None and goal != (project.goal_words or 0):
+            if isinstance(goal, float) and goal.is_integer():
+                goal = int(goal)  # Numbers arrive as floats
+            storage.update_project(self.db, project.id, goal_words=goal, owner=self._me(view))
         gr.Info("Project saved.")
         return self.project_outputs(view)
 
@@ -414,6 +419,42 @@ class Handlers:
             storage.set_chapter_text(self.db, chapter.id, text, owner=self._me(view))
         gr.Info("Saved.")
 
+    # -- revisions ------------------------------------------------------------------------------------------
+
+    def _revision(self, view: View, revision_id: Any) -> Any:
+        revision = storage.get_revision(self.db, _id(revision_id, "revision"), self._me(view))
+        if revision.chapter_id != view.chapter_id:
+            raise gr.Error("That revision belongs to another chapter; pick one again.", print_exception=False)
+        return revision
+
+    @guarded
+    def revisions(self, view: View) -> list[Any]:
+        """The open chapter's revisions, newest first (picker, and the shown revision's text and diff cleared)."""
+        found = storage.list_revisions(self.db, view.chapter_id, self._me(view)) if view.chapter_id else []
+        note = ('<div class="muted">Earlier texts appear here when a chapter is regenerated, edited by hand or '
+                "restored.</div>") if not found else ""
+        return [gr.update(choices=[(views.revision_label(r), r.id) for r in found], value=None),
+                gr.update(value="", visible=False), note]
+
+    @guarded
+    def show_revision(self, view: View, revision_id: Any) -> list[Any]:
+        """A revision's text and what changed from it to the chapter's current text."""
+        if revision_id in (None, ""):
+            return [gr.update(value="", visible=False), ""]
+        revision = self._revision(view, revision_id)
+        chapter = self._chapter(view)
+        return [gr.update(value=revision.text, visible=True), views.revision_diff(revision.text, chapter.text)]
+
+    @guarded
+    def restore_revision(self, view: View, revision_id: Any) -> list[Any]:
+        """Make a revision the chapter's text; the text it replaces becomes a revision (nothing is lost)."""
+        if revision_id in (None, ""):
+            raise gr.Error("Pick a revision first.", print_exception=False)
+        revision = self._revision(view, revision_id)
+        storage.restore_revision(self.db, revision.id, self._me(view))
+        gr.Info(f"Restored revision #{revision.id}; the text it replaced is saved as a revision.")
+        return self.revisions(view)
+
     # -- runs -----------------------------------------------------------------------------------------------
 
     @guarded
@@ -473,7 +514,7 @@ class Handlers:
         else:
             controls = [gr.skip()] * 6
         return (_skip(up.worker_html), chapters, _skip(up.status_html), text, _skip(up.counts_html),
-                *figures, *controls)
+                *figures, *controls, _skip(up.goal_html))
 
     def drive(self) -> None:
         """ZeroGPU: work through the queue in GPU-bounded chunks inside this request (no-op elsewhere)."""
@@ -617,7 +658,7 @@ def _queue_handler(h: Handlers, mode: str) -> Callable[..., str]:
     return queue
 
 
-WRITE_POLL_OUTPUTS = 14
+WRITE_POLL_OUTPUTS = 15
 COMPARE_POLL_OUTPUTS = 9
 
 
@@ -693,6 +734,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                 create_btn = gr.Button("Create project", variant="primary", elem_id="create-project")
             chapters_radio = gr.Radio(label="Chapters", choices=[], elem_id="chapter-list",
                                       elem_classes="chapter-list")
+            goal_html = gr.HTML(elem_id="goal", js_on_load=None)
             with gr.Row(elem_classes="tight-row"):
                 add_ch_btn = gr.Button("+ Chapter", size="sm", elem_id="add-chapter", min_width=60)
                 up_btn = gr.Button("↑", size="sm", elem_id="chapter-up", min_width=36)
@@ -702,6 +744,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
             with gr.Accordion("Project settings", open=False, elem_id="project-settings"):
                 proj_title = gr.Textbox(label="Title", max_length=200, elem_id="project-title")
                 proj_kind = gr.Radio(KIND_CHOICES, label="Kind", value="novel")
+                proj_goal = gr.Number(label="Word goal (0 = none)", value=0, precision=0, minimum=0,
+                                      maximum=storage.MAX_GOAL_WORDS, elem_id="project-goal")
                 with gr.Row(elem_classes="tight-row"):
                     save_proj_btn = gr.Button("Save", size="sm", elem_id="save-project")
                     del_proj_btn = gr.Button("Delete project", size="sm", variant="stop", elem_id="delete-project")
@@ -740,6 +784,14 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                             counts_html = gr.HTML(elem_id="counts", js_on_load=None)
                             save_btn = gr.Button("Save edits", size="sm", elem_id="save-chapter", interactive=False,
                                                  scale=0, min_width=120)
+                        with gr.Accordion("Revisions", open=False, elem_id="revisions") as revisions_acc:
+                            revision_pick = gr.Dropdown(label="Earlier texts of this chapter", choices=[], value=None,
+                                                        elem_id="revision-pick",
+                                                        info="Pick one to see it and what changed since.")
+                            revision_diff = gr.HTML(elem_id="revision-diff", js_on_load=None)
+                            revision_text = gr.Textbox(label="That revision", lines=8, max_lines=16,
+                                                       interactive=False, visible=False, elem_id="revision-text")
+                            restore_btn = gr.Button("Restore this revision", size="sm", elem_id="restore-revision")
                         with gr.Accordion("Generation settings", open=False, elem_id="write-settings"):
                             h.write_panel = settings_panel.build("write")
                     with gr.Column(scale=2, min_width=340, elem_classes="charts"):
@@ -804,9 +856,11 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         panel_w, panel_c = h.write_panel, h.compare_panel
         assert panel_w is not None and panel_c is not None
         chapter_outs = [chapter_title, instructions, chapter_owner, remembered]
-        project_outs = [project_dd, proj_title, proj_kind, premise, project_owner, *panel_w.components, *chapter_outs]
+        revision_outs = [revision_pick, revision_text, revision_diff]
+        project_outs = [project_dd, proj_title, proj_kind, premise, project_owner, proj_goal, *panel_w.components,
+                        *chapter_outs]
         write_poll_outs = [worker_html, chapters_radio, status_html, chapter_text, counts_html, *write_plots,
-                           gen_btn, cont_btn, regen_btn, stop_btn, resume_btn, save_btn]
+                           gen_btn, cont_btn, regen_btn, stop_btn, resume_btn, save_btn, goal_html]
         assert len(write_poll_outs) == WRITE_POLL_OUTPUTS
         cmp_poll_outs = [cmp_summary, cmp_ar_line, cmp_ts_line, cmp_ar_text, cmp_ts_text, *cmp_plots, cmp_table]
         assert len(cmp_poll_outs) == COMPARE_POLL_OUTPUTS
@@ -841,15 +895,21 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         then_refresh(create_btn.click(h.create_project, [view, new_title, new_kind, new_premise],
                                       project_outs + [new_title, new_premise, new_acc], api_name="create_project"))
         then_refresh(project_dd.input(h.open_project, [view, project_dd], project_outs, api_name="open_project"))
-        then_refresh(save_proj_btn.click(h.save_project, [view, project_owner, proj_title, proj_kind], project_outs,
-                                         api_name="save_project"))
+        then_refresh(save_proj_btn.click(h.save_project, [view, project_owner, proj_title, proj_kind, proj_goal],
+                                         project_outs, api_name="save_project"))
         del_proj_btn.click(h.ask_delete_project, [view], [del_proj_confirm, del_proj_msg], api_visibility="private")
         del_proj_no.click(_hide, None, del_proj_confirm, api_visibility="private")
         then_refresh(del_proj_yes.click(h.delete_project, [view], project_outs + [del_proj_confirm],
                                         api_name="delete_project"))
 
         then_refresh(chapters_radio.input(h.open_chapter, [view, chapters_radio], chapter_outs,
-                                          api_name="open_chapter"))
+                                          api_name="open_chapter")).then(h.revisions, [view], revision_outs,
+                                                                         api_visibility="private", **quiet)
+        revisions_acc.expand(h.revisions, [view], revision_outs, api_name="revisions")
+        revision_pick.input(h.show_revision, [view, revision_pick], [revision_text, revision_diff],
+                            api_name="show_revision")
+        then_refresh(restore_btn.click(h.restore_revision, [view, revision_pick], revision_outs,
+                                       api_name="restore_revision"))
         then_refresh(add_ch_btn.click(h.add_chapter, [view], chapter_outs, api_name="add_chapter"))
         then_refresh(up_btn.click(functools.partial(h.move_chapter, delta=-1), [view], None,
                                   api_name="move_chapter_up"))
@@ -865,7 +925,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
             then_refresh(box.blur(h.autosave, meta_inputs, None, api_visibility="private", **quiet))
         then_refresh(save_btn.click(h.save_chapter, [view, cache, project_owner, chapter_owner, premise,
                                                      chapter_title, instructions, chapter_text], None,
-                                    api_name="save_chapter"))
+                                    api_name="save_chapter")).then(h.revisions, [view], revision_outs,
+                                                                   api_visibility="private", **quiet)
 
         for button, mode in ((gen_btn, "generate"), (cont_btn, "continue"), (regen_btn, "regenerate"),
                              (resume_btn, "resume")):

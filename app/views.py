@@ -335,3 +335,52 @@ def comparisons_table(comparisons: Iterable[Any], runs: Mapping[int, Any]) -> li
                      round(ts.tokens_per_s, 1) if ts and ts.tokens_per_s else None,
                      f"{x:.2f}×" if x else "", same])
     return rows
+
+
+# -- revisions -------------------------------------------------------------------------------------------------------
+
+REVISION_CAUSES = {"manual edit": "hand edit", "regenerate": "before regenerate"}
+DIFF_CONTEXT = 1  # unchanged paragraphs shown around each change
+
+
+def revision_label(revision: Any) -> str:
+    """'#12 · 2026-12-03 14:03 · hand edit · 1,234 words' for the revision picker."""
+    cause = REVISION_CAUSES.get(revision.reason, revision.reason)
+    return f"#{revision.id} · {when(revision.created_at)} · {cause} · {fmt_int(len(revision.text.split()))} words"
+
+
+def revision_diff(old: str, new: str) -> str:
+    """HTML of what changed from a revision (``old``) to the current text (``new``), paragraph by paragraph: removed
+    paragraphs struck through, added ones underlined, long unchanged stretches folded."""
+    import difflib
+
+    if old == new:
+        return '<div class="muted">This revision is the same as the current text.</div>'
+    a, b = old.split("\n"), new.split("\n")
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    changes = [op for op in matcher.get_opcodes() if op[0] != "equal"]
+    removed = sum(len(" ".join(a[i1:i2]).split()) for _, i1, i2, _, _ in changes)
+    added = sum(len(" ".join(b[j1:j2]).split()) for _, _, _, j1, j2 in changes)
+    parts = [(f'<div class="diff-summary">Since this revision: <ins>+{fmt_int(added)} words</ins> · '
+              f'<del>−{fmt_int(removed)} words</del></div>')]
+    for group in matcher.get_grouped_opcodes(DIFF_CONTEXT):
+        parts.append('<div class="diff-hunk">')
+        for op, i1, i2, j1, j2 in group:
+            if op == "equal":
+                parts += [f"<p>{esc(line)}</p>" for line in a[i1:i2] if line.strip()]
+                continue
+            parts += [f"<p><del>{esc(line)}</del></p>" for line in a[i1:i2] if line.strip()]
+            parts += [f"<p><ins>{esc(line)}</ins></p>" for line in b[j1:j2] if line.strip()]
+        parts.append("</div>")
+    return '<div class="revision-diff">' + "".join(parts) + "</div>"
+
+
+def goal_line(words: int, goal: int | None) -> str:
+    """The sidebar's progress towards a project's word goal (empty without a goal)."""
+    if not goal:
+        return ""
+    share = min(words / goal, 1.0)
+    done = " · reached ✓" if words >= goal else ""
+    bar = f'<div class="goal-bar"><span style="width:{share * 100:.1f}%"></span></div>'
+    return (f'<div class="goal"><div class="goal-text">{fmt_int(words)} / {fmt_int(goal)} words '
+            f"({share:.0%}){done}</div>{bar}</div>")

@@ -87,6 +87,7 @@ class Project(Base):
     kind: Mapped[str] = mapped_column(String(20), default="novel")
     premise: Mapped[str] = mapped_column(Text, default="")
     settings: Mapped[dict[str, Any]] = mapped_column(JSONDict, default=dict)  # default generation settings
+    goal_words: Mapped[int | None]  # the writer's word-count goal for the whole project
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

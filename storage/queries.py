@@ -45,6 +45,7 @@ MAX_TITLE = 200
 MAX_PREMISE = 20_000
 MAX_INSTRUCTIONS = 20_000
 MAX_PROMPT = 1_000_000
+MAX_GOAL_WORDS = 10_000_000
 CHAPTER_MODES = ("generate", "continue", "regenerate", "resume")
 STEP_FIELDS = {  # name -> default (... = required)
     "step": ..., "new_tokens": ..., "step_ms": ..., "tokens_so_far": ...,
@@ -65,6 +66,8 @@ def _get(s: Session, model: type[M], id: Any, lock: bool = False) -> M:
 
 
 def _owner_of(s: Session, obj: Any) -> str | None:
+    if isinstance(obj, ChapterRevision):
+        obj = _get(s, Chapter, obj.chapter_id)
     if isinstance(obj, Chapter):
         return s.scalar(select(Project.owner).where(Project.id == obj.project_id))
     return obj.owner
@@ -168,8 +171,14 @@ def rename_project(db: Database, project_id: int, title: str, owner: str | None 
 
 
 def update_project(db: Database, project_id: int, *, premise: str | None = None, kind: str | None = None,
-                   settings: Mapping[str, Any] | None = None, owner: str | None = None) -> Project:
-    """Change a project's premise, kind and/or default generation settings (None = keep)."""
+                   settings: Mapping[str, Any] | None = None, goal_words: int | None = None,
+                   owner: str | None = None) -> Project:
+    """Change a project's premise, kind, default generation settings and/or word goal (None = keep; a goal of 0
+    removes it)."""
+    if goal_words is not None and (isinstance(goal_words, bool) or not isinstance(goal_words, int)
+                                   or not 0 <= goal_words <= MAX_GOAL_WORDS):
+        raise ValidationError(f"The word goal must be a whole number from 0 (no goal) to {MAX_GOAL_WORDS:,}, "
+                              f"got {goal_words!r}.")
     with db.write() as s:
         project = _owned(s, Project, project_id, owner, lock=True)
         if premise is not None:
@@ -178,6 +187,8 @@ def update_project(db: Database, project_id: int, *, premise: str | None = None,
             project.kind = _choice(kind, "project kind", PROJECT_KINDS)
         if settings is not None:
             project.settings = _settings(settings)
+        if goal_words is not None:
+            project.goal_words = goal_words or None
     return project
 
 
@@ -278,6 +289,24 @@ def list_revisions(db: Database, chapter_id: int, owner: str | None = None) -> l
         _owned(s, Chapter, chapter_id, owner)
         return list(s.scalars(select(ChapterRevision).where(ChapterRevision.chapter_id == chapter_id)
                               .order_by(ChapterRevision.id.desc())))
+
+
+def get_revision(db: Database, revision_id: int, owner: str | None = None) -> ChapterRevision:
+    """One saved earlier text; NotFoundError if missing (or another writer's)."""
+    with db.read() as s:
+        return _owned(s, ChapterRevision, revision_id, owner)
+
+
+def restore_revision(db: Database, revision_id: int, owner: str | None = None) -> Chapter:
+    """Make a saved earlier text the chapter's text again; the current text is saved as a revision first.
+
+    Nothing is deleted: restoring is itself undone by restoring the revision it saved. Refused while a run is
+    writing into the chapter.
+    """
+    with db.read() as s:
+        revision = _owned(s, ChapterRevision, revision_id, owner)
+    return set_chapter_text(db, revision.chapter_id, revision.text, reason=f"before restoring #{revision.id}",
+                            owner=owner)
 
 
 def _renumber(s: Session, order: list[int]) -> None:

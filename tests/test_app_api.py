@@ -141,7 +141,7 @@ def test_generate_stop_export_restart(server, tmp_path, tiny_model_dir):
     # Full text now (the poll sends only changes: ask a fresh session for everything).
     client2 = Client(server.url, verbose=False, download_files=str(tmp_path))
     out2 = client2.predict(remembered={"project_id": project_id}, api_name="/load")
-    chapter_id = out2[17]  # the chapter-owner field (see project_outs in app/ui.py)
+    chapter_id = out2[18]  # the chapter-owner field (see project_outs in app/ui.py)
     assert isinstance(chapter_id, int) and chapter_id > 0
     full = value_of(client2.predict(api_name="/refresh")[TEXT])
     assert isinstance(full, str) and len(full) >= len(value_of(second[TEXT]))

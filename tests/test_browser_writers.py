@@ -5,12 +5,14 @@ Needs /usr/bin/chromium (`make browser`); without it the browser test is skipped
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import storage
+from app.live import RESEND_S
 from conftest import studio_server
 from test_browser import SHOTS, TIMEOUT_MS, browser, expect, open_accordion, shot  # noqa: F401  (browser: a fixture)
 
@@ -23,12 +25,13 @@ def shared(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
         yield s
 
 
-def writer(browser, server, name: str):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
+def writer(chromium, server, name: str):
+    context = chromium.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(server.url)
-    page.wait_for_selector("#chapter-list")
+    # The page-load handler has run (it knows the writer, and has opened the new-project form for a new one).
+    expect(page.locator("#identity")).to_contain_text("private to this browser", timeout=TIMEOUT_MS)
     return context, page
 
 
@@ -41,11 +44,23 @@ def create(page, title: str) -> None:
     expect(page.locator("#project-picker input")).to_have_value(f"{title} (novel)", timeout=TIMEOUT_MS)
 
 
+def open_options(page, picker: str) -> list:
+    """Open a dropdown and return its options, once the handler that fills it has answered."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while True:
+        page.locator(f"{picker} input").click()
+        options = page.locator("ul[role=listbox] li[role=option]")
+        try:
+            options.first.wait_for(timeout=2000)
+            return options.all()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            page.keyboard.press("Escape")
+
+
 def projects_offered(page) -> list[str]:
-    page.locator("#project-picker input").click()
-    options = page.locator("ul[role=listbox] li[role=option]")
-    options.first.wait_for()
-    names = options.all_inner_texts()
+    names = [o.inner_text() for o in open_options(page, "#project-picker")]
     page.keyboard.press("Escape")
     return [n.replace("✓", "").strip() for n in names]
 
@@ -54,14 +69,12 @@ def test_two_writers_see_only_their_own_projects(browser, shared):  # noqa: F811
     SHOTS.mkdir(parents=True, exist_ok=True)
     (ca, a), (cb, b) = writer(browser, shared, "a"), writer(browser, shared, "b")
     try:
-        for page in (a, b):
-            assert "private to this browser" in page.locator("#identity").inner_text()
         create(a, "Alpha's novel")
         create(b, "Beta's report")
         create(a, "Alpha's second")
         for page in (a, b):
             page.reload()
-            page.wait_for_selector("#chapter-list")
+            expect(page.locator("#identity")).to_contain_text("private to this browser", timeout=TIMEOUT_MS)
         assert sorted(projects_offered(a)) == ["Alpha's novel (novel)", "Alpha's second (novel)"]
         assert projects_offered(b) == ["Beta's report (novel)"]
         # What each browser had open comes back after the reload, and it is its own.
@@ -110,3 +123,42 @@ def test_api_callers_get_their_own_writer_and_nothing_else(shared):
         assert storage.get_project(db, project.id).title == "Someone's"
     mine = [owner for title, owner in after.values() if title == "Mine"]
     assert len(mine) == 1 and mine[0] not in {owner for _, owner in before.values()}
+
+
+def test_a_hand_edit_is_undone_through_revisions(browser, shared):  # noqa: F811
+    context, page = writer(browser, shared, "editor")
+    try:
+        create(page, "Edited novel")
+        text = page.locator("#chapter-text textarea")
+        save = page.locator("#save-chapter:not([disabled])")
+        # Typing right after the page's text changed can be overwritten by a late poll response (the page resends
+        # a changed part for RESEND_S): a writer's pace, not a robot's.
+        time.sleep(RESEND_S + 1)
+        text.fill("The storm came.\nThe keeper slept.")
+        save.click()
+        page.get_by_text("Saved.").first.wait_for()
+        time.sleep(RESEND_S + 1)
+        text.fill("The storm came.\nThe keeper woke early.")
+        save.click()
+        expect(page.get_by_text("Saved.")).to_have_count(2, timeout=TIMEOUT_MS)
+        expect(text).to_have_value("The storm came.\nThe keeper woke early.", timeout=TIMEOUT_MS)
+        page.locator("#revisions").get_by_text("Revisions", exact=True).first.click()
+        option = open_options(page, "#revision-pick")[0]
+        assert "hand edit · 6 words" in option.inner_text()
+        option.click()
+        diff = page.locator("#revision-diff")
+        expect(diff.locator("del")).to_contain_text(["The keeper slept."])
+        expect(diff.locator("ins").last).to_have_text("The keeper woke early.")
+        shot(page, "revision-diff")
+        page.locator("#restore-revision").click()
+        expect(text).to_have_value("The storm came.\nThe keeper slept.", timeout=TIMEOUT_MS)
+        page.reload()
+        expect(page.locator("#chapter-text textarea")).to_have_value("The storm came.\nThe keeper slept.",
+                                                                   timeout=TIMEOUT_MS)
+    finally:
+        context.close()
+    with storage.open_database(shared.db_path) as db:
+        project, = [p for p in storage.list_projects(db) if p.title == "Edited novel"]
+        chapter, = storage.list_chapters(db, project.id)
+        assert [r.text for r in storage.list_revisions(db, chapter.id)] == [
+            "The storm came.\nThe keeper woke early.", "The storm came.\nThe keeper slept."]

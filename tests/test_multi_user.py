@@ -206,3 +206,34 @@ def test_the_page_builds_for_every_hosting(db, monkeypatch):
         warnings = [b.value for b in blocks if isinstance(b, gr.HTML) and "storage-warning" in str(b.value)]
         assert warnings == (["<div class=\"storage-warning\" id=\"storage-warning\">Text is &lt;lost&gt; on "
                              "restart.</div>"] if hosting.storage_warning else [])
+
+
+def test_revisions_are_listed_shown_diffed_and_restored(db):
+    """Undo through revisions, per writer: the list, a revision's text and its diff against the current text, and a
+    restore that keeps the replaced text as a revision."""
+    h = handlers(db)
+    a, _, _ = visit(h)
+    b, _, _ = visit(h)
+    h.create_project(a, "Alpha", "novel", "")
+    chapter = a.chapter_id
+    storage.set_chapter_text(db, chapter, "The storm came.\nThe keeper slept.")
+    storage.set_chapter_text(db, chapter, "The storm came.\nThe keeper woke <early>.\nA ship!")
+    picker, _, note = h.revisions(a)
+    (label, first), = picker["choices"]
+    assert label.startswith(f"#{first} · ") and "hand edit · 6 words" in label and note == ""
+    shown, diff = h.show_revision(a, first)
+    assert shown["value"] == "The storm came.\nThe keeper slept." and shown["visible"]
+    assert "<del>The keeper slept.</del>" in diff and "<ins>The keeper woke &lt;early&gt;.</ins>" in diff
+    assert "+6 words" in diff and "−3 words" in diff
+    picker, _, _ = h.restore_revision(a, first)
+    assert storage.get_chapter(db, chapter).text == "The storm came.\nThe keeper slept."
+    assert [value for _, value in picker["choices"]][1] == first and len(picker["choices"]) == 2
+    assert "same as the current text" in h.show_revision(a, first)[1]
+    h.create_project(b, "Beta", "novel", "")
+    for call in (lambda: h.show_revision(b, first), lambda: h.restore_revision(b, first)):
+        with pytest.raises(gr.Error, match="does not exist"):
+            call()
+    h.add_chapter(a)  # another chapter open: a revision of the first is not shown as if it were this one's
+    with pytest.raises(gr.Error, match="another chapter"):
+        h.show_revision(a, first)
+    assert h.revisions(a)[0]["choices"] == [] and "appear here" in h.revisions(a)[2]

@@ -115,6 +115,28 @@ def test_hand_edit_keeps_revision(db, chapter):
     assert [(r.text, r.reason) for r in revisions] == [("First draft here.", "manual edit")]
 
 
+def test_restoring_a_revision_loses_nothing(db, chapter):
+    st.set_chapter_text(db, chapter.id, "One.")
+    st.set_chapter_text(db, chapter.id, "Two.")
+    first = st.list_revisions(db, chapter.id)[0]
+    restored = st.restore_revision(db, first.id)
+    assert (restored.text, restored.word_count) == ("One.", 1)
+    # The replaced text is a revision now; restoring it undoes the restore. Nothing was deleted.
+    revisions = st.list_revisions(db, chapter.id)
+    assert [(r.text, r.reason) for r in revisions] == [("Two.", f"before restoring #{first.id}"),
+                                                       ("One.", "manual edit")]
+    assert st.restore_revision(db, revisions[0].id).text == "Two."
+    assert len(st.list_revisions(db, chapter.id)) == 3
+    assert st.get_revision(db, first.id).text == "One."
+    run = st.start_chapter_run(db, chapter.id, "continue", method="ar", model="m")
+    assert st.claim_next_run(db, "w").id == run.id
+    with pytest.raises(st.ValidationError, match="being generated"):
+        st.restore_revision(db, first.id)
+    assert st.get_chapter(db, chapter.id).text == "Two."
+    with pytest.raises(st.NotFoundError, match="ChapterRevision 999 does not exist"):
+        st.restore_revision(db, 999)
+
+
 # -- the run queue --------------------------------------------------------------------
 
 def test_queue_claim_append_finish(db, chapter):
@@ -376,3 +398,15 @@ def test_corrupt_token_ids_do_not_block_finishing(db):
     assert st.get_comparison(db, c.id).tokens_match is None
     with pytest.raises(st.StorageError, match="damaged"):
         st.settle_comparison(db, c.id)
+
+
+def test_word_goal(db):
+    project = st.create_project(db, "Goal")
+    assert project.goal_words is None
+    assert st.update_project(db, project.id, goal_words=80_000).goal_words == 80_000
+    assert st.update_project(db, project.id, premise="p").goal_words == 80_000  # None keeps it
+    assert st.update_project(db, project.id, goal_words=0).goal_words is None  # 0 removes it
+    for bad in (-1, 10_000_001, 2.5, "many", True):
+        with pytest.raises(st.ValidationError, match="word goal"):
+            st.update_project(db, project.id, goal_words=bad)
+    assert st.get_project(db, project.id).goal_words is None

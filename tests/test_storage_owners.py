@@ -41,6 +41,7 @@ def test_listings_show_only_the_writers_rows(db, two):
 def test_another_writers_ids_are_not_found_and_change_nothing(db, two):
     pa, ca, pb = two
     missing = 10_000
+    revision = st.list_revisions(db, ca.id, A)[0].id
     with pytest.raises(st.NotFoundError) as absent:
         st.get_project(db, missing, B)
     refusals = [
@@ -53,6 +54,8 @@ def test_another_writers_ids_are_not_found_and_change_nothing(db, two):
         lambda: st.update_chapter(db, ca.id, title="Stolen", owner=B),
         lambda: st.set_chapter_text(db, ca.id, "overwritten", owner=B),
         lambda: st.list_revisions(db, ca.id, B),
+        lambda: st.get_revision(db, revision, B),
+        lambda: st.restore_revision(db, revision, B),
         lambda: st.move_chapter(db, ca.id, 5, B),
         lambda: st.delete_chapter(db, ca.id, B),
         lambda: st.start_chapter_run(db, ca.id, "generate", method="ar", model=MODEL, owner=B),
@@ -63,7 +66,7 @@ def test_another_writers_ids_are_not_found_and_change_nothing(db, two):
         with pytest.raises(st.NotFoundError) as e:
             refuse()
         # The same words as for an id that does not exist: nothing tells B that A's project is there.
-        assert str(e.value).split(" ")[0] in ("Project", "Chapter")
+        assert str(e.value).split(" ")[0] in ("Project", "Chapter", "ChapterRevision")
         assert "does not exist" in str(e.value) and str(e.value).count(" ") == str(absent.value).count(" ")
     project, chapter = st.get_project(db, pa.id), st.get_chapter(db, ca.id)
     assert (project.title, project.premise) == ("Alpha", "A's premise")

@@ -423,3 +423,20 @@ def test_a_long_run_is_read_incrementally_and_stays_small(h, db):
     assert all(len(t.x) <= MAX_POINTS for fig in up.figures for t in fig.data)
     assert max(polls) < 2.0, polls  # bounded by the new rows, not the run's length
     assert sum(len(f.to_json()) for f in up.figures) < 200_000
+
+
+def test_a_word_goal_shows_progress_in_the_sidebar(h, db):
+    view = View()
+    new_project(h, view)
+    out = h.save_project(view, view.project_id, "Novel", "novel", 10.0)  # a Number hands over floats
+    assert out[5]["value"] == 10 and storage.get_project(db, view.project_id).goal_words == 10
+    storage.set_chapter_text(db, view.chapter_id, "one two three four")
+    up = live.poll_write(db, view, LiveCache())
+    assert "4 / 10 words (40%)" in up.goal_html and "width:40.0%" in up.goal_html
+    storage.set_chapter_text(db, h.add_chapter(view) and view.chapter_id, " ".join(["w"] * 8))
+    up = live.poll_write(db, view, LiveCache())
+    assert "12 / 10 words (100%) · reached ✓" in up.goal_html
+    h.save_project(view, view.project_id, "Novel", "novel", 0)
+    assert live.poll_write(db, view, LiveCache()).goal_html == ""
+    with pytest.raises(gr.Error, match="word goal"):
+        h.save_project(view, view.project_id, "Novel", "novel", -5)

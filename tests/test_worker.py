@@ -1,4 +1,5 @@
-"""app.worker in-process on a real SQLite file and the tiny random checkpoint (one short test on the real model).
+"""app.worker in-process on a real SQLite file and a real PostgreSQL server, with the tiny random checkpoint (one
+short test on the real model).
 
 Covers: persisted text / token ids / step metrics and their consistency, batched flushes, cancel, stop → interrupted
 → resume (exact), ZeroGPU-style chunks (exact), bad runs failing with readable messages while the worker goes on,
@@ -16,6 +17,12 @@ import storage as st
 from app.jobs import queue_chapter_run, queue_comparison, resume_chain, validate_settings
 from app.worker import NO_HEADS_NOTICE, RunFailed, Worker, generation_config
 from storage.models import utcnow
+
+
+@pytest.fixture
+def db(any_db):
+    """Every test here runs on SQLite and on a real PostgreSQL server."""
+    return any_db
 
 
 @pytest.fixture(scope="module")
