@@ -6,11 +6,11 @@ from __future__ import annotations
 import signal
 
 import pytest
-from test_worker_process import start_worker, wait_for
+from test_worker import chain_ids
+from test_worker_process import start_worker, uninterrupted, wait_for
 
 import storage as st
-from app.jobs import queue_chapter_run, resume_chain, validate_settings
-from app.worker import generation_config
+from app.jobs import queue_chapter_run
 from conftest import studio_server
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,6 @@ STALE_AFTER_S = 12  # the workers' --stale-after-s: a killed worker's run is fou
 
 def test_three_workers_drain_the_queue_and_survive_a_sigkill(tmp_path, postgres, tiny_model_dir, one_thread):
     from core.engine import Engine
-    from core.generation.text import encode_prompt
 
     url, model = postgres.create_database(), str(tiny_model_dir)
     db = st.open_database(url)
@@ -86,10 +85,7 @@ def test_three_workers_drain_the_queue_and_survive_a_sigkill(tmp_path, postgres,
         assert run.n_tokens == len(ids) == sum(s.new_tokens for s in steps) == steps[-1].tokens_so_far
         assert st.get_chapter(db, run.chapter_id).text == run.text  # claimed once, written once
     assert len({st.get_run(db, r.id).worker_id for r in runs}) >= 2  # the queue was shared
-    engine = Engine.load(model, heads=None, device="cpu")
-    config = generation_config(validate_settings(long_settings, engine.max_context), "ar")
-    reference = engine.generate(encode_prompt(engine.tokenizer, killed.prompt), config).run()
-    all_ids = [t for r in resume_chain(db, resumed) + [resumed] for t in st.get_run_token_ids(db, r.id)]
-    assert all_ids == reference.token_ids  # exactly the uninterrupted run, across processes
+    reference = uninterrupted(Engine.load(model, heads=None, device="cpu"), killed.prompt, long_settings)
+    assert chain_ids(db, resumed) == reference.token_ids  # exactly the uninterrupted run, across processes
     assert st.get_chapter(db, long_chapter.id).text == reference.text
     db.close()

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_worker import assert_text_of
+from test_worker import assert_text_of, chain_ids
 
 import storage as st
-from app.jobs import queue_chapter_run, resume_chain, validate_settings
+from app.jobs import queue_chapter_run, validate_settings
 from app.worker import Worker, generation_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +33,14 @@ def start_worker(db_path: Path | str, model: str, worker_id: str, log: Path, hea
            "--device", "cpu", "--worker-id", worker_id, "--threads", "1", "--poll-s", "0.1", "--log-level", "INFO",
            *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def uninterrupted(engine, prompt: str, settings: dict):
+    """What one vanilla run writes for `prompt` with `settings`, never stopped: the reference for a resumed chain."""
+    from core.generation.text import encode_prompt
+
+    config = generation_config(validate_settings(settings, engine.max_context), "ar")
+    return engine.generate(encode_prompt(engine.tokenizer, prompt), config).run()
 
 
 def wait_for(predicate, timeout: float, what: str, procs=(), logs=()):
@@ -80,12 +88,8 @@ def test_sigkill_then_restart_marks_interrupted_and_resume_is_exact(tmp_path, ti
     assert worker.process_one() is True
     resumed = st.get_run(db, resumed.id)
     assert resumed.status == "done", resumed.error
-    all_ids = [t for r in resume_chain(db, resumed) + [resumed] for t in st.get_run_token_ids(db, r.id)]
-    from core.generation.text import encode_prompt
-
-    config = generation_config(validate_settings(settings, tiny_engine.max_context), "ar")
-    reference = tiny_engine.generate(encode_prompt(tiny_engine.tokenizer, interrupted.prompt), config).run()
-    assert all_ids == reference.token_ids  # exactly the uninterrupted run, across processes and methods
+    reference = uninterrupted(tiny_engine, interrupted.prompt, settings)
+    assert chain_ids(db, resumed) == reference.token_ids  # exactly the uninterrupted run, across processes and methods
     assert st.get_chapter(db, chapter.id).text == interrupted.text + resumed.text == reference.text
     db.close()
 
@@ -96,7 +100,6 @@ def test_the_real_model_killed_mid_chapter_then_resumed_writes_the_uninterrupted
     worker process killed mid-run (SIGKILL), a restarted worker resumes it (its prefill rebuilds the cache from the
     ids so far), and every id of the chapter equals an uninterrupted vanilla run's."""
     from core.engine import Engine
-    from core.generation.text import encode_prompt
     from core.tokenswift.heads import load_heads
 
     db_path, log = tmp_path / "studio.db", tmp_path / "worker.log"
@@ -122,9 +125,8 @@ def test_the_real_model_killed_mid_chapter_then_resumed_writes_the_uninterrupted
     assert worker.process_one() is True
     resumed = st.get_run(db, resumed.id)
     assert resumed.status == "done", resumed.error
-    all_ids = [t for r in resume_chain(db, resumed) + [resumed] for t in st.get_run_token_ids(db, r.id)]
-    config = generation_config(validate_settings(settings, smol_engine.max_context), "ar")
-    reference = smol_engine.generate(encode_prompt(smol_engine.tokenizer, interrupted.prompt), config).run()
+    all_ids = chain_ids(db, resumed)
+    reference = uninterrupted(smol_engine, interrupted.prompt, settings)
     assert len(all_ids) == 1024 and all_ids == reference.token_ids
     assert st.get_chapter(db, chapter.id).text == reference.text
     db.close()
