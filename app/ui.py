@@ -211,9 +211,10 @@ class Handlers:
         still there. Also returns the browser key to keep, the identity line and the claim offer."""
         key = self._identify(view, key, profile)
         self._restore(view, remembered)
-        has_projects = bool(storage.list_projects(self.db, self._me(view)))
-        return self.project_outputs(view) + [gr.update(open=not has_projects), self.comparison_picker(view)[0],
-                                             _skip(key), *self._identity_outputs(view, key, profile)]
+        outputs = self.project_outputs(view)
+        has_projects = bool(outputs[0]["choices"])  # the project picker's
+        return outputs + [gr.update(open=not has_projects), self.comparison_picker(view)[0], _skip(key),
+                          *self._identity_outputs(view, key, profile)]
 
     def _identify(self, view: View, key: str | None, profile: Any) -> str | None:
         """Set the session's writer (multi-user only); returns the browser key to keep (None: leave it)."""
