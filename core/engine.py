@@ -19,10 +19,11 @@ from torch import Tensor
 from core.generation.decoding import Generation, GenerationConfig, Step, StepFunction, vanilla_steps
 from core.runtime.compiled import CompiledRunner
 from core.runtime.kv_cache import KVCache, PartialKVCache
-from core.runtime.loading import LoadedModel, load_model
+from core.runtime.loading import LoadedModel, load_model, resolve
 from core.runtime.model import Transformer
-from core.tokenswift.heads import DraftHeads, load_heads
+from core.tokenswift.heads import DraftHeads, HeadsError, load_heads
 from core.tokenswift.options import DraftPlan, TokenSwiftOptions
+from core.tokenswift.published import is_published_checkpoint, load_published_heads
 from core.tokenswift.step import tokenswift_steps
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,28 @@ METHODS: dict[str, Callable[[Engine, Generation], Iterator[Step]]] = {
     "ar": vanilla_steps,
     "tokenswift": tokenswift_steps,
 }
+
+
+def find_heads(loaded: LoadedModel, heads: str | Path | None) -> DraftHeads | None:
+    """The drafting heads `Engine.load` names by `heads` ("default", None, a file, a checkpoint folder or hub id)."""
+    if heads is None:
+        return None
+    if heads == "default":
+        path = loaded.default_heads_path()
+        if path is not None and path.is_file():
+            return load_heads(path, loaded.model, loaded.name)
+        if loaded.folder is not None and is_published_checkpoint(loaded.folder):  # the paper's heads, inside
+            return load_published_heads(loaded.folder, loaded.model, loaded.name, same_model=True)
+        return None
+    path = Path(heads).expanduser()
+    if path.is_file():
+        return load_heads(path, loaded.model, loaded.name)
+    if not path.is_dir() and str(heads).count("/") == 1 and not str(heads).startswith((".", "/", "~")):
+        path, _ = resolve(str(heads))  # a hub id: fetched where a hub is reachable, else a one-line error
+    if is_published_checkpoint(path):
+        same = loaded.folder is not None and path.resolve() == loaded.folder.resolve()
+        return load_published_heads(path, loaded.model, loaded.name, same_model=same)
+    raise HeadsError(f"heads {heads!r}: neither a heads file nor a TokenSwift checkpoint folder with heads inside")
 
 
 class Engine:
@@ -61,17 +84,11 @@ class Engine:
     def load(cls, spec: str | None = None, heads: str | Path | None = "default", device: str | None = None,
              options: TokenSwiftOptions | None = None, compile: bool = False, weights: str = "auto") -> "Engine":
         """Load a model (`weights`: see load_model) and its heads: `heads="default"` takes the committed heads for
-        known models if present, None runs without heads (n-gram drafting only), a path loads that file (and must
-        match the model)."""
+        known models if present, or the heads inside a published TokenSwift checkpoint (core/tokenswift/published.py);
+        None runs without heads (n-gram drafting only); a heads file, or a published checkpoint (a folder, or a hub
+        id) whose backbone is this model, loads those heads (and must match the model)."""
         loaded = load_model(spec, device=device, weights=weights)
-        head_model = None
-        if heads == "default":
-            path = loaded.default_heads_path()
-            if path is not None and path.is_file():
-                head_model = load_heads(path, loaded.model, loaded.name)
-        elif heads is not None:
-            head_model = load_heads(Path(heads), loaded.model, loaded.name)
-        return cls(loaded, head_model, options, compile)
+        return cls(loaded, find_heads(loaded, heads), options, compile)
 
     def _compiled_runner(self) -> CompiledRunner:
         """Graphs for the decoder, with the three heads' logits inside when they draft a level, and the root head's

@@ -53,6 +53,7 @@ class LoadedModel:
     tokenizer: Any
     config: ModelConfig
     source: str  # where the weights came from
+    folder: Path | None = None  # the checkpoint folder it was read from (a GGUF's conversion folder)
 
     @property
     def device(self) -> torch.device:
@@ -99,14 +100,14 @@ def load_model(spec: str | None = None, device: str | None = None, weights: str 
             model = build_native_model(cfg, gguf)
         except ValueError as e:
             raise ModelLoadError(f"{spec}: {e}") from None
-        return LoadedModel(spec, model, load_tokenizer(folder), cfg, f"{source}, as stored")
+        return LoadedModel(spec, model, load_tokenizer(folder), cfg, f"{source}, as stored", folder)
     dtype = torch.bfloat16 if weights == "bf16" or (weights == "auto" and not cpu) else torch.float32
     model = build_model(cfg, read_weights(folder), device=device, dtype=dtype)
     if native:
         fmt = FORMATS.get(weights, "f32")
         model.to_native(fmt)
         source += f", {fmt}"
-    return LoadedModel(spec, model, load_tokenizer(folder), cfg, source)
+    return LoadedModel(spec, model, load_tokenizer(folder), cfg, source, folder)
 
 
 def gguf_source(folder: Path) -> Path | None:

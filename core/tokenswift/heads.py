@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from core.runtime.model import RMSNorm, Transformer
+from core.runtime.model import ModelConfig, RMSNorm, Transformer
 from core.runtime.weights import NativeLinear
 
 FORMAT = "tokenswift-heads/1"
@@ -190,15 +190,25 @@ def rank_drafts(scores: Tensor, k: int, noise: Tensor | None = None,
     return (ids[idx] if subset else idx), p
 
 
-def model_fingerprint(model: Transformer) -> str:
-    """Hash of the architecture and of a slice of the token embeddings (in bf16, so fp32 and bf16 loads agree)."""
-    cfg = model.cfg
+def fingerprint_ids(cfg: ModelConfig) -> list[int]:
+    """The token ids whose embedding rows a fingerprint hashes: 64 spread over the vocabulary."""
+    return list(range(0, cfg.vocab_size, max(1, cfg.vocab_size // 64)))[:64]
+
+
+def fingerprint(cfg: ModelConfig, rows: Tensor) -> str:
+    """Hash of the architecture and of the embedding rows of fingerprint_ids (hashed in bf16, so fp32 and bf16
+    copies of one model agree)."""
     arch = json.dumps([cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                        cfg.intermediate_size, cfg.rope_theta])
-    ids = torch.arange(0, cfg.vocab_size, max(1, cfg.vocab_size // 64), device=model.device)[:64]
-    with torch.inference_mode():  # the rows as any embedding (a native model's packed table too) looks them up
-        rows = model.embed(ids).detach().to("cpu", torch.bfloat16)
+    rows = rows.detach().to("cpu", torch.bfloat16).contiguous()
     return hashlib.sha256(arch.encode() + rows.view(torch.int16).numpy().tobytes()).hexdigest()[:24]
+
+
+def model_fingerprint(model: Transformer) -> str:
+    """`fingerprint` of a loaded model."""
+    ids = torch.tensor(fingerprint_ids(model.cfg), device=model.device)
+    with torch.inference_mode():  # the rows as any embedding (a native model's packed table too) looks them up
+        return fingerprint(model.cfg, model.embed(ids))
 
 
 def save_heads(heads: DraftHeads, path: Path, model: Transformer, base_model: str, extra: dict | None = None) -> None:

@@ -13,7 +13,9 @@ from core.tokenswift.options import TokenSwiftOptions
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model spec (default: env TOKENSWIFT_MODEL or smollm2-135m)")
     p.add_argument("--heads", default="default",
-                   help="drafting heads: 'default' (committed heads of a known model), 'none', or a file")
+                   help="drafting heads: 'default' (committed heads of a known model, or those inside a published "
+                        "TokenSwift checkpoint), 'none', a heads file, or a TokenSwift checkpoint (folder or hub id) "
+                        "whose backbone is the model")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="run the model through compiled fixed-size graphs (CUDA; a CPU runs its native kernels)")
