@@ -53,3 +53,70 @@ def test_lag_leaves_recent_tokens_out() -> None:
 def test_n_must_be_at_least_two() -> None:
     with pytest.raises(ValueError):
         NGramTable(1)
+
+
+def brute_topk(t: NGramTable, token: int, k: int) -> list[tuple[tuple[int, ...], int]]:
+    """What topk means, by scanning every continuation: count, then recency."""
+    conts = sorted(t.table.get(token, {}).items(), key=lambda kv: (kv[1][0], kv[1][1]), reverse=True)
+    return [(cont, entry[0]) for cont, entry in conts[:k]]
+
+
+def test_topk_and_total_equal_a_full_scan_as_the_table_grows() -> None:
+    import random
+
+    rng = random.Random(0)
+    seq = [min(int(rng.paretovariate(1.2)), 40) for _ in range(3000)]  # few frequent tokens, many rare ones
+    t = NGramTable(4)
+    for end in range(0, len(seq) + 1, 97):
+        t.extend(seq[:end])
+        for token in (1, 2, 3, 17, 40):
+            for k in (1, 5, 20):
+                assert t.topk(token, k) == brute_topk(t, token, k)
+            assert t.total(token) == sum(e[0] for e in t.table.get(token, {}).values())
+    assert len(t) == sum(len(c) for c in t.table.values())
+
+
+def lines_run(fn) -> int:
+    """Python lines executed by fn(): a count of the work it does in Python, independent of the machine's speed."""
+    import sys
+
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_a_steps_lookups_do_not_scan_the_history() -> None:
+    """A step's n-gram work (index the new tokens, then total and top-20 of two keys) runs the same Python lines
+    whether the key has 50 continuations or 5,000, as a frequent token has in a 100K-token text."""
+    def history(n_conts: int) -> list[int]:
+        seq: list[int] = []
+        for c in range(n_conts):  # key 7 followed by n_conts distinct continuations, each seen once or twice
+            seq += [7, 1000 + c, 2000 + c % 97, 3000 + c % 89] * (1 + c % 2)
+        return seq
+
+    work = []
+    for n_conts in (50, 5000):
+        seq = history(n_conts)
+        t = NGramTable(4)
+        t.extend(seq)
+        seq += [7, 5, 6, 8]  # one step's new tokens
+
+        def step() -> None:
+            t.extend(seq)
+            for key in (7, 5):
+                t.total(key)
+                t.topk(key, 20)
+
+        work.append(lines_run(step))
+    assert work[0] == work[1], work

@@ -25,9 +25,49 @@ def key_buffer(n_layers: int, n_kv_heads: int, slots: int, head_dim: int, dtype:
     return torch.zeros(n_layers, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
 
 
+class KVCacheTooLarge(ValueError):
+    """The requested tokens' keys and values do not fit in the GPU's free memory; the message says how many do."""
+
+
+GIB = 1 << 30
+
+
+def free_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device."""
+    return torch.cuda.mem_get_info(device)
+
+
+def spare_bytes(total: int) -> int:
+    """Memory a cache must leave free on a GPU of `total` bytes: the forwards' activations, a prefill chunk's
+    attention scores, the logits of a tree over a 150K vocabulary and the partial cache live there too."""
+    return max(2 * GIB, total // 20)
+
+
+def cache_tokens_that_fit(bytes_per_token: int, device: torch.device | str) -> int | None:
+    """How many tokens' keys and values fit in `device`'s free memory now (None on a CPU: not checked there)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = free_memory(device)
+    return max(0, (free - spare_bytes(total)) // bytes_per_token)
+
+
+def check_fits(max_len: int, bytes_per_token: int, device: torch.device | str) -> None:
+    """Refuse, before allocating, a CUDA cache larger than the free memory allows (a CPU allocates as before)."""
+    fit = cache_tokens_that_fit(bytes_per_token, device)
+    if fit is not None and max_len > fit:
+        need = max_len * bytes_per_token / GIB
+        raise KVCacheTooLarge(
+            f"the KV cache for {max_len} tokens needs {need:.1f} GiB but {device} has room for {fit} tokens "
+            f"({fit * bytes_per_token / GIB:.1f} GiB free beyond what the forwards need): ask for fewer tokens "
+            f"(prompt + max new tokens) or free GPU memory")
+
+
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str):
+        # keys and values of every layer: sized against the GPU's free memory first, with a clear refusal
+        check_fits(max_len, 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize, device)
         self.k = key_buffer(n_layers, n_kv_heads, max_len, head_dim, dtype, device)
         self.v = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.max_len = max_len

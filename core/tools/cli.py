@@ -1,4 +1,4 @@
-"""Command line: `python -m core generate | bench | cost-curve | train-heads` (see README for every flag)."""
+"""Command line: `python -m core generate | bench | cost-curve | long-profile | train-heads` (see README for every flag)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ from core.generation.text import encode_prompt
 from core.tools.args import add_model_args, add_sampling_args, add_tokenswift_args, load_engine, sampling_from
 from core.tools.bench import add_bench_args, run_bench
 from core.tools.cost_curve import add_cost_curve_args, run_cost_curve
+from core.tools.long_profile import add_long_profile_args, run_long_profile
 from core.tools.train_heads import add_train_args, run_training
 
 
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_cost_curve_args(c)
     add_model_args(c)
     c.set_defaults(func=run_cost_curve)
+
+    lp = sub.add_parser("long-profile", help="per-step overhead at up to 100K cached tokens (CPU, tiny random model)")
+    add_long_profile_args(lp)
+    add_tokenswift_args(lp)
+    lp.set_defaults(func=run_long_profile)
 
     t = sub.add_parser("train-heads", help="train the drafting heads by self-distillation")
     add_train_args(t)
