@@ -1,4 +1,4 @@
-"""Command line: `python -m core generate | bench | cost-curve | long-profile | train-heads` (see README for every flag)."""
+"""Command line: `python -m core generate | bench | cost-curve | long-profile | gpu-check | train-heads` (see README for every flag)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ from core.generation.text import encode_prompt
 from core.tools.args import add_model_args, add_sampling_args, add_tokenswift_args, load_engine, sampling_from
 from core.tools.bench import add_bench_args, run_bench
 from core.tools.cost_curve import add_cost_curve_args, run_cost_curve
+from core.tools.gpu_check import add_gpu_check_args, run_gpu_check
 from core.tools.long_profile import add_long_profile_args, run_long_profile
 from core.tools.train_heads import add_train_args, run_training
 
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_long_profile_args(lp)
     add_tokenswift_args(lp)
     lp.set_defaults(func=run_long_profile)
+
+    gc = sub.add_parser("gpu-check", help="the GPU check (make bench-gpu): cost curve, vanilla vs TokenSwift, "
+                        "exactness, on random weights in real shapes; --device cpu: a dry run on tiny shapes")
+    add_gpu_check_args(gc)
+    gc.set_defaults(func=run_gpu_check)
 
     t = sub.add_parser("train-heads", help="train the drafting heads by self-distillation")
     add_train_args(t)
