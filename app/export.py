@@ -1,13 +1,16 @@
-"""Exporting a project's manuscript: Markdown, plain text and EPUB 3.
+"""Exporting a project's manuscript (Markdown, plain text, EPUB 3) and the whole project as a JSON file, and
+importing such a file.
 
 Pure functions from a project and its chapters (with text) to a string or bytes, plus ``export_project`` that reads
 the database and writes a file for the browser to download. EPUB is a zip of XHTML files (stdlib ``zipfile``, no new
 dependency). User text is escaped for each format: XML entities in EPUB; in Markdown, backslash escapes for
 everything that would otherwise turn prose into markup (a line starting with "#", "-", "1." or ">", raw HTML tags),
-so prose stays prose.
+so prose stays prose. The JSON file is ``storage.project_snapshot`` (lorebook, summaries and revisions included): a
+project moves between studios with ``import_project_file``.
 """
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 import unicodedata
@@ -19,7 +22,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from xml.sax.saxutils import escape as xml_escape
 
-FORMATS = {"markdown": ".md", "text": ".txt", "epub": ".epub"}
+FORMATS = {"markdown": ".md", "text": ".txt", "epub": ".epub", "json": ".json"}
+MAX_IMPORT_BYTES = 50 * 2**20
 
 
 class ProjectLike(Protocol):
@@ -224,15 +228,32 @@ def export_project(db: Any, project_id: int, fmt: str, folder: str | Path | None
                    owner: str | None = None) -> Path:
     """Write project ``project_id`` (of ``owner``) as ``fmt`` into a fresh file (in ``folder`` or a new temp dir);
     returns its path."""
-    from storage import get_project, list_chapters
+    from storage import get_project, list_chapters, project_snapshot
 
     if fmt not in FORMATS:
         raise ValueError(f"Unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}.")
     project = get_project(db, project_id, owner)
-    chapters = list_chapters(db, project_id, with_text=True, owner=owner)
-    data = render(fmt, project, chapters)
+    if fmt == "json":
+        data = json.dumps(project_snapshot(db, project_id, owner), ensure_ascii=False, indent=1).encode("utf-8")
+    else:
+        data = render(fmt, project, list_chapters(db, project_id, with_text=True, owner=owner))
     # A folder of its own per export: two exports of the same title never overwrite each other mid-download.
     out_dir = Path(tempfile.mkdtemp(prefix="tokenswift-export-", dir=folder))
     path = out_dir / (slugify(project.title) + FORMATS[fmt])
     path.write_bytes(data)
     return path
+
+
+def import_project_file(db: Any, path: str | Path, owner: str) -> Any:
+    """Create a new project of ``owner`` from a JSON project file; ValueError (storage's ValidationError) with a
+    readable reason for a file that is not one, and nothing written."""
+    from storage import import_project
+
+    path = Path(path)
+    if path.stat().st_size > MAX_IMPORT_BYTES:
+        raise ValueError(f"The file is larger than {MAX_IMPORT_BYTES // 2**20} MB; a project file is not.")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"The file is not a JSON project file ({e}).") from None
+    return import_project(db, data, owner)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import storage as st
+from app.prompting import OUTLINE_TOKENS, SUMMARY_TOKENS, outline_prompt
 from storage.queries import CHAPTER_MODES
 
 DEFAULT_CONTEXT = 8192  # smollm2-135m, the default model
@@ -24,6 +25,7 @@ MAX_SEED = 2**63 - 1  # core.generation.sampling.MAX_SEED
 RESUMABLE = ("interrupted", "cancelled", "failed")
 INTERNAL_KEYS = ("resume_of",)  # stored by queue_chapter_run, not user settings
 MAX_CHAIN = 1000
+MAX_OUTLINE_CHAPTERS = 60
 
 # The studio preset (core.generation.sampling.PRESETS["studio"]) plus the run's length, method and seed.
 DEFAULT_SETTINGS: dict[str, Any] = {
@@ -226,3 +228,36 @@ def queue_comparison(db: st.Database, prompt: str, settings: Mapping[str, Any] |
     normalized.pop("method")  # each of the two runs has its own method column
     return st.create_comparison(db, prompt, model=model, settings=normalized, heads=heads, project_id=project_id,
                                 owner=owner, max_queued=max_queued)
+
+
+def _memory_settings(settings: Mapping[str, Any] | None, max_new_tokens: int, context: int | None) -> dict[str, Any]:
+    """A summary or outline run's settings: the writer's sampling settings at that run's own length, with TokenSwift,
+    and the model may end it (never "write to full length")."""
+    base = validate_settings(user_settings(settings or {}), context)
+    return {**base, "max_new_tokens": max_new_tokens, "method": "tokenswift", "ignore_eos": False}
+
+
+def queue_summary(db: st.Database, chapter_id: int, settings: Mapping[str, Any] | None, *, model: str,
+                  heads: str | None = None, context: int | None = None, owner: str | None = None, auto: bool = False,
+                  max_queued: int | None = None) -> st.Run | None:
+    """Queue a run that writes the chapter's summary (see storage.queue_summary for `auto`). Its prompt is built by
+    the worker, from the chapter's text as it is then."""
+    normalized = _memory_settings(settings, SUMMARY_TOKENS, context)
+    return st.queue_summary(db, chapter_id, model=model, settings=normalized, heads=heads, owner=owner, auto=auto,
+                            max_queued=None if auto else max_queued)
+
+
+def queue_outline(db: st.Database, project_id: int, n_chapters: int, settings: Mapping[str, Any] | None, *,
+                  model: str, heads: str | None = None, context: int | None = None, owner: str = st.LOCAL_OWNER,
+                  max_queued: int | None = None) -> st.Run:
+    """Queue a run that proposes a plan of `n_chapters` chapters from the project's premise (app.prompting)."""
+    if isinstance(n_chapters, bool) or not isinstance(n_chapters, (int, float)) or not float(n_chapters).is_integer() \
+            or not 1 <= n_chapters <= MAX_OUTLINE_CHAPTERS:
+        raise ValueError(f"An outline has from 1 to {MAX_OUTLINE_CHAPTERS} chapters, got {n_chapters!r}.")
+    project = st.get_project(db, project_id, owner)
+    if any(r.mode == "outline" and r.project_id == project_id for r in st.active_runs(db)):
+        raise ValueError("An outline for this project is already being written.")
+    normalized = _memory_settings(settings or project.settings, OUTLINE_TOKENS, context)
+    return st.enqueue_run(db, mode="outline", method="tokenswift", model=model, settings=normalized,
+                          prompt=outline_prompt(project, int(n_chapters)), heads=heads, project_id=project_id,
+                          owner=owner, max_queued=max_queued)

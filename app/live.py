@@ -50,6 +50,7 @@ class LiveCache:
     chapter_id: int | None = None  # the chapter whose text the textbox holds
     text_full: bool = False  # the textbox holds the whole chapter (not a live tail)
     text_editable: bool = False
+    summary_chapter_id: int | None = None  # the chapter whose summary the summary box holds, editable
     run_id: int | None = None
     buckets: StepBuckets | None = None
     # Compare
@@ -86,6 +87,8 @@ class WriteUpdate:
     text: tuple[str, bool] | None = None  # (value, editable)
     counts_html: str | None = None
     goal_html: str | None = None
+    summary: tuple[str, bool] | None = None  # the open chapter's summary (value, editable)
+    summary_note: str | None = None
     figures: tuple[go.Figure, go.Figure, go.Figure] | None = None
     controls: dict[str, Any] | None = None  # can_write, active, resumable, run_id
 
@@ -158,6 +161,22 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
                                                LIVE_TAIL_CHARS if tail else None)
             cache.text_full, cache.text_editable, cache.chapter_id = not tail, not active, chapter.id
 
+    # -- summary (the same care as the text: never resent over what the writer may be typing) --
+    summary_run = storage.summary_run(db, chapter.id) if chapter is not None else None
+    writing = summary_run is not None and summary_run.status in views.ACTIVE
+    if chapter is None:
+        if cache.due("summary", None, now):
+            up.summary, up.summary_note, cache.summary_chapter_id = ("", False), "", None
+    else:
+        keeps_editing = not writing and cache.summary_chapter_id == chapter.id
+        if cache.due("summary", (chapter.id, chapter.summary, chapter.summary_source, writing), now,
+                     resend=not keeps_editing):
+            up.summary = (chapter.summary, not writing)
+            cache.summary_chapter_id = None if writing else chapter.id
+        note = views.summary_note(chapter, summary_run)
+        if cache.due("summary-note", note, now):
+            up.summary_note = note
+
     # -- charts (incremental) --
     run_id = run.id if run else None
     if run_id != cache.run_id:
@@ -175,7 +194,7 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
     status = views.run_status(run, position=position,
                               tokens_per_s=(run.tokens_per_s or (b.last_tokens_per_s if b else None)) if run else None,
                               tokens_per_step=b.mean_tokens_per_step if b and b.n_steps else None,
-                              worker_ready=ready)
+                              worker_ready=ready) + views.prompt_line(run.prompt_info if run else None)
     if cache.due("status", status, now):
         up.status_html = status
 

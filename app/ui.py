@@ -28,8 +28,9 @@ import gradio as gr
 
 import storage
 from app import export as exporter
-from app import identity, jobs, live, settings_panel, views
+from app import identity, jobs, live, settings_panel, story_ui, views
 from app.charts import all_figures, buckets_from_rows
+from app.handling import guarded, owner_id, page_id, skip_none
 from app.hosting import Hosting
 from app.live import LiveCache, View
 from app.zerogpu import ChunkDriver
@@ -42,7 +43,8 @@ POLL_S = 1.0
 BROWSER_KEY = "tokenswift-studio-view"
 WRITER_KEY = "tokenswift-studio-writer"
 KIND_CHOICES = [("Novel", "novel"), ("Report", "report"), ("Other", "other")]
-EXPORT_CHOICES = [("Markdown", "markdown"), ("Plain text", "text"), ("EPUB", "epub")]
+EXPORT_CHOICES = [("Markdown", "markdown"), ("Plain text", "text"), ("EPUB", "epub"),
+                  ("Project file (JSON: lorebook, summaries, revisions)", "json")]
 RUN_MODES = ("generate", "continue", "regenerate", "resume")
 
 
@@ -72,55 +74,9 @@ def launch_kwargs() -> dict[str, Any]:
     return {"theme": theme(), "css_paths": [CSS_PATH]}
 
 
-# -- error handling ---------------------------------------------------------------------------------------------------
-
-def _message(e: BaseException) -> str:
-    return html.escape(str(e).strip() or type(e).__name__)
-
-
-def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn expected failures (bad input, missing rows) into a readable gr.Error; log unexpected ones."""
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except gr.Error:
-            raise
-        except (storage.StorageError, ValueError) as e:
-            raise gr.Error(_message(e), print_exception=False) from None
-        except Exception as e:
-            log.exception("error in %s", fn.__name__)
-            raise gr.Error(f"Something went wrong ({_message(e)}). Details are in the server log.",
-                           print_exception=False) from None
-    return wrapper
-
-
-def _skip(value: Any) -> Any:
-    return gr.skip() if value is None else value
-
-
 def _unknown_session(view: View) -> bool:
     """A session that never loaded the page and has nothing open (e.g. the server restarted under the page)."""
     return not view.loaded and view.project_id is None and view.compare_id is None
-
-
-def _id(value: Any, what: str) -> int:
-    """An id from the page or an API caller; a readable refusal for anything that is not one."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not number.is_integer() or number < 1 or isinstance(value, bool):
-        raise gr.Error(f"{html.escape(str(value))[:40]} is not a valid {what} id.", print_exception=False)
-    return int(number)
-
-
-def _owner(value: Any) -> int | None:
-    """A hidden owner-id field's value (None/0 = not set, e.g. an API caller that does not send it)."""
-    try:
-        return int(value) or None
-    except (TypeError, ValueError):
-        return None
 
 
 class Handlers:
@@ -157,7 +113,7 @@ class Handlers:
         return chapter
 
     def _check_owner(self, view: View, project_owner: Any = None, chapter_owner: Any = None) -> None:
-        p, c = _owner(project_owner), _owner(chapter_owner)
+        p, c = owner_id(project_owner), owner_id(chapter_owner)
         if (p is not None and p != view.project_id) or (c is not None and c != view.chapter_id):
             raise gr.Error("The page switched project or chapter while you were typing; nothing was saved. "
                            "Please try again.", print_exception=False)
@@ -213,7 +169,7 @@ class Handlers:
         self._restore(view, remembered)
         outputs = self.project_outputs(view)
         has_projects = bool(outputs[0]["choices"])  # the project picker's
-        return outputs + [gr.update(open=not has_projects), self.comparison_picker(view)[0], _skip(key),
+        return outputs + [gr.update(open=not has_projects), self.comparison_picker(view)[0], skip_none(key),
                           *self._identity_outputs(view, key, profile)]
 
     def _identify(self, view: View, key: str | None, profile: Any) -> str | None:
@@ -310,7 +266,7 @@ class Handlers:
         if project_id in (None, ""):
             view.project_id = view.chapter_id = None
             return self.project_outputs(view)
-        project = storage.get_project(self.db, _id(project_id, "project"), self._me(view))
+        project = storage.get_project(self.db, page_id(project_id, "project"), self._me(view))
         view.project_id = project.id
         view.chapter_id = self._first_chapter(view, project.id)
         return self.project_outputs(view)
@@ -352,7 +308,7 @@ class Handlers:
     def open_chapter(self, view: View, chapter_id: int | None) -> list[Any]:
         if chapter_id in (None, ""):
             return self.chapter_outputs(view)
-        chapter = storage.get_chapter(self.db, _id(chapter_id, "chapter"), self._me(view))
+        chapter = storage.get_chapter(self.db, page_id(chapter_id, "chapter"), self._me(view))
         if chapter.project_id != view.project_id:
             raise gr.Error("That chapter belongs to another project.", print_exception=False)
         view.chapter_id = chapter.id
@@ -402,7 +358,7 @@ class Handlers:
     def autosave(self, view: View, project_owner: Any, chapter_owner: Any, premise: str, title: str,
                  instructions: str) -> None:
         """Save the premise and chapter fields when they lose focus (silently: nothing to tell)."""
-        if _owner(project_owner) != view.project_id or _owner(chapter_owner) != view.chapter_id:
+        if owner_id(project_owner) != view.project_id or owner_id(chapter_owner) != view.chapter_id:
             return  # the page moved on; these values belong to what was shown before
         self._save_meta(view, premise, title, instructions)
 
@@ -423,7 +379,7 @@ class Handlers:
     # -- revisions ------------------------------------------------------------------------------------------
 
     def _revision(self, view: View, revision_id: Any) -> Any:
-        revision = storage.get_revision(self.db, _id(revision_id, "revision"), self._me(view))
+        revision = storage.get_revision(self.db, page_id(revision_id, "revision"), self._me(view))
         if revision.chapter_id != view.chapter_id:
             raise gr.Error("That revision belongs to another chapter; pick one again.", print_exception=False)
         return revision
@@ -514,8 +470,10 @@ class Handlers:
                         gr.update(visible=c["resumable"]), gr.update(interactive=c["can_write"])]
         else:
             controls = [gr.skip()] * 6
-        return (_skip(up.worker_html), chapters, _skip(up.status_html), text, _skip(up.counts_html),
-                *figures, *controls, _skip(up.goal_html))
+        summary = (gr.update(value=up.summary[0], interactive=up.summary[1]) if up.summary is not None
+                   else gr.skip())
+        return (skip_none(up.worker_html), chapters, skip_none(up.status_html), text, skip_none(up.counts_html),
+                *figures, *controls, skip_none(up.goal_html), summary, skip_none(up.summary_note))
 
     def drive(self) -> None:
         """ZeroGPU: work through the queue in GPU-bounded chunks inside this request (no-op elsewhere)."""
@@ -545,7 +503,7 @@ class Handlers:
     def open_comparison(self, view: View, compare_id: Any) -> list[Any]:
         if compare_id in (None, ""):
             return self.comparison_picker(view)
-        comparison = storage.get_comparison(self.db, _id(compare_id, "comparison"), self._me(view))
+        comparison = storage.get_comparison(self.db, page_id(compare_id, "comparison"), self._me(view))
         view.compare_id = comparison.id
         return self.comparison_picker(view)
 
@@ -586,8 +544,8 @@ class Handlers:
             return tuple(gr.skip() for _ in range(COMPARE_POLL_OUTPUTS))
         figures = up.figures or (gr.skip(), gr.skip(), gr.skip())
         table = self.comparisons_table(view) if up.listing_changed else gr.skip()
-        return (_skip(up.summary_html), _skip(up.ar_line), _skip(up.ts_line), _skip(up.ar_text),
-                _skip(up.ts_text), *figures, table)
+        return (skip_none(up.summary_html), skip_none(up.ar_line), skip_none(up.ts_line), skip_none(up.ar_text),
+                skip_none(up.ts_text), *figures, table)
 
     # -- history & export ---------------------------------------------------------------------------------
 
@@ -621,7 +579,7 @@ class Handlers:
         if run_id in (None, ""):
             empty = '<div class="muted">Pick a run to see its metrics.</div>'
             return (empty, {}, *all_figures(None, "No run selected"))
-        run = storage.get_run(self.db, _id(run_id, "run"), self._me(view))
+        run = storage.get_run(self.db, page_id(run_id, "run"), self._me(view))
         buckets = buckets_from_rows(storage.get_steps(self.db, run.id))
         chapter_title = None
         if run.chapter_id is not None:
@@ -659,7 +617,7 @@ def _queue_handler(h: Handlers, mode: str) -> Callable[..., str]:
     return queue
 
 
-WRITE_POLL_OUTPUTS = 15
+WRITE_POLL_OUTPUTS = 17
 COMPARE_POLL_OUTPUTS = 9
 
 
@@ -694,6 +652,7 @@ def confirm_box(action: str, elem_id: str) -> tuple[gr.Group, gr.HTML, gr.Button
 def build_ui(ctx: StudioContext) -> gr.Blocks:
     """Build the Blocks app (launch it with ``**launch_kwargs()``)."""
     h = Handlers(ctx)
+    story = story_ui.StoryHandlers(h)
     with gr.Blocks(title="TokenSwift Studio", fill_width=True, analytics_enabled=False) as demo:
         view = gr.State(lambda: View())  # a callable: a fresh value per session
         cache = gr.State(lambda: LiveCache())
@@ -706,6 +665,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         # scripts handle, beside the model on a small machine (an idle page took 35% of a core in Chromium here
         # with both polls running, 24% with one).
         compare_timer = gr.Timer(ctx.poll_s, active=False)
+        bible_timer = gr.Timer(ctx.poll_s, active=False)  # the Story bible tab's outline poll, the same way
         # Owner ids of what the premise / chapter fields currently show (see the module docstring).
         project_owner = gr.Number(value=0, visible=False, precision=0)
         chapter_owner = gr.Number(value=0, visible=False, precision=0)
@@ -793,10 +753,13 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                             revision_text = gr.Textbox(label="That revision", lines=8, max_lines=16,
                                                        interactive=False, visible=False, elem_id="revision-text")
                             restore_btn = gr.Button("Restore this revision", size="sm", elem_id="restore-revision")
+                        summary = story_ui.summary_panel()
                         with gr.Accordion("Generation settings", open=False, elem_id="write-settings"):
                             h.write_panel = settings_panel.build("write")
                     with gr.Column(scale=2, min_width=340, elem_classes="charts"):
                         write_plots = _plots("write")
+
+            bible = story_ui.bible_tab()
 
             # -- Compare --
             with gr.Tab("Compare", id="compare", elem_id="tab-compare") as compare_tab:
@@ -840,6 +803,10 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                         export_btn = gr.Button("Export", variant="primary", elem_id="export")
                         export_file = gr.File(label="Download", interactive=False, elem_id="export-file",
                                               visible=False)
+                        gr.Markdown("### Import a project file")
+                        import_file = gr.File(label="Project file (.json)", file_types=[".json"], type="filepath",
+                                              elem_id="import-file")
+                        import_btn = gr.Button("Import as a new project", elem_id="import-project")
                     with gr.Column(scale=4):
                         with gr.Row(equal_height=True):
                             all_projects = gr.Checkbox(label="All projects", value=False, elem_id="all-projects")
@@ -861,7 +828,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         project_outs = [project_dd, proj_title, proj_kind, premise, project_owner, proj_goal, *panel_w.components,
                         *chapter_outs]
         write_poll_outs = [worker_html, chapters_radio, status_html, chapter_text, counts_html, *write_plots,
-                           gen_btn, cont_btn, regen_btn, stop_btn, resume_btn, save_btn, goal_html]
+                           gen_btn, cont_btn, regen_btn, stop_btn, resume_btn, save_btn, goal_html, summary.box,
+                           summary.note]
         assert len(write_poll_outs) == WRITE_POLL_OUTPUTS
         cmp_poll_outs = [cmp_summary, cmp_ar_line, cmp_ts_line, cmp_ar_text, cmp_ts_text, *cmp_plots, cmp_table]
         assert len(cmp_poll_outs) == COMPARE_POLL_OUTPUTS
@@ -882,11 +850,18 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                    concurrency_id="poll", **quiet)
         compare_timer.tick(h.tick_compare, [view, cache, remembered, key], cmp_poll_outs, api_name="refresh_compare",
                            concurrency_limit=8, concurrency_id="poll", **quiet)
-        compare_tab.select(lambda: gr.Timer(active=True), None, compare_timer, api_visibility="private",
-                           **quiet).then(h.refresh_compare, [view, cache], cmp_poll_outs,
-                                         api_visibility="private", **quiet)
-        for tab in (write_tab, history_tab):
-            tab.select(lambda: gr.Timer(active=False), None, compare_timer, api_visibility="private", **quiet)
+        # A tab's own poll runs while it is open (each tab select sets both timers).
+        tab_timers = [compare_timer, bible_timer]
+        selected = {}
+        for tab, own in ((write_tab, None), (bible.tab, bible_timer), (compare_tab, compare_timer),
+                         (history_tab, None)):
+            states = tuple(t is own for t in tab_timers)
+            selected[tab] = tab.select(lambda states=states: tuple(gr.Timer(active=on) for on in states), None,
+                                       tab_timers, api_visibility="private", **quiet)
+        selected[compare_tab].then(h.refresh_compare, [view, cache], cmp_poll_outs, api_visibility="private", **quiet)
+        selected[bible.tab].then(story.bible, [view], bible.outputs(), api_name="story_bible")
+        story_ui.wire(story, bible, summary, view=view, cache=cache, chapter_owner=chapter_owner, timer=bible_timer,
+                      then_refresh=then_refresh)
         identity_outs = [identity_html, claim_btn]
         loaded = demo.load(h.load, [view, remembered, key], project_outs + [new_acc, cmp_pick, key, *identity_outs],
                            api_name="load")
@@ -955,5 +930,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         runs_table.select(h.select_run, None, run_pick, api_visibility="private").then(
             h.run_details, [view, run_pick], details_outs, api_visibility="private")
         export_btn.click(h.export, [view, export_fmt], export_file, api_name="export")
+        then_refresh(import_btn.click(story.import_project, [view, import_file], project_outs,
+                                      api_name="import_project"))
     demo.queue(default_concurrency_limit=4)
     return demo

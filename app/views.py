@@ -12,7 +12,7 @@ from typing import Any
 
 METHOD_LABELS = {"tokenswift": "TokenSwift", "ar": "Vanilla"}
 MODE_LABELS = {"generate": "Generate", "continue": "Continue", "regenerate": "Regenerate", "resume": "Resume",
-               "compare": "Compare"}
+               "compare": "Compare", "summary": "Summary", "outline": "Outline"}
 STATUS_LABELS = {"queued": "queued", "running": "running", "done": "done", "failed": "failed",
                  "cancelled": "stopped", "interrupted": "interrupted"}
 ACTIVE = ("queued", "running")
@@ -216,7 +216,8 @@ def runs_table(runs: Iterable[Any], chapter_titles: Mapping[int, str], speedups:
         rows.append([
             r.id, when(r.queued_at),
             short(chapter_titles.get(r.chapter_id, "") if r.chapter_id else
-                  ("(compare)" if r.comparison_id else ""), 40),
+                  chapter_titles.get(r.summary_of, "") if r.summary_of else
+                  ("(compare)" if r.comparison_id else "(outline)" if r.mode == "outline" else ""), 40),
             r.mode, METHOD_LABELS.get(r.method, r.method), r.n_tokens,
             round(r.tokens_per_s, 1) if r.tokens_per_s else None,
             round(r.mean_accepted, 2) if r.mean_accepted else None,
@@ -384,3 +385,94 @@ def goal_line(words: int, goal: int | None) -> str:
     bar = f'<div class="goal-bar"><span style="width:{share * 100:.1f}%"></span></div>'
     return (f'<div class="goal"><div class="goal-text">{fmt_int(words)} / {fmt_int(goal)} words '
             f"({share:.0%}){done}</div>{bar}</div>")
+
+
+# -- the story's memory ---------------------------------------------------------------------------------------------
+
+def _numbers(numbers: Sequence[int], noun: str = "chapter") -> str:
+    """ "chapter 3", "chapters 1–4", "chapters 1, 3 and 6"."""
+    numbers = sorted(numbers)
+    if len(numbers) == 1:
+        return f"{noun} {numbers[0]}"
+    if numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{noun}s {numbers[0]}–{numbers[-1]}"
+    return f"{noun}s {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
+
+
+def prompt_line(info: Mapping[str, Any] | None) -> str:
+    """What went into a chapter run's prompt (app.prompting.PromptReport as a dict), as one line of HTML, e.g.
+    "prompt 5,830 of 7,104 tokens: 310 premise/lore, 4 summaries, last 5,200 tokens of chapter 7"."""
+    if not info or "total" not in info:
+        return ""
+    try:
+        total, budget = int(info["total"]), int(info["budget"])
+        other = total - int(info["summary_tokens"]) - int(info["text_tokens"]) - int(info["own_tokens"])
+        parts = [f"{other:,} premise/lore" + (f" ({len(info['lore'])} lore)" if info["lore"] else "")]
+        if info["own_tokens"]:
+            parts.append(f"{int(info['own_tokens']):,} of this chapter")
+        if info["summaries"]:
+            n = len(info["summaries"])
+            parts.append(f"{n} summar{'y' if n == 1 else 'ies'}")
+        if info["whole"]:
+            parts.append(_numbers(info["whole"]) + " whole")
+        if info["tail_chapter"]:
+            parts.append(f"last {int(info['tail_tokens']):,} tokens of chapter {int(info['tail_chapter'])}")
+        out = []
+        if info["unsummarized"]:
+            out.append(f"{_numbers(info['unsummarized'])} (no summary)")
+        if info["summaries_left_out"]:
+            out.append(f"summaries of {_numbers(info['summaries_left_out'])}")
+        if info["lore_left_out"]:
+            out.append(f"lore {', '.join(info['lore_left_out'])}")
+    except (KeyError, TypeError, ValueError):
+        return ""  # an older or damaged record: say nothing rather than something wrong
+    left = f" · left out: {'; '.join(out)}" if out else ""
+    return (f'<div class="prompt-line" title="What the model saw for this run">prompt {total:,} of {budget:,} '
+            f"tokens: {esc(', '.join(parts))}{esc(left)}</div>")
+
+
+def summary_note(chapter: Any | None, run: Any | None) -> str:
+    """Under a chapter's summary: who wrote it, and the summary run's state (HTML)."""
+    if chapter is None:
+        return ""
+    if run is not None and run.status in ACTIVE:
+        return f'<div class="muted">{badge(run.status)} the model is writing this summary (run #{run.id})…</div>'
+    if run is not None and run.status == "failed" and chapter.summary_source != "writer":
+        return f'<div class="muted">{badge("failed")} {esc(run.error or "The summary run failed.")}</div>'
+    if chapter.summary_source == "writer":
+        return ('<div class="muted">Your own summary: automatic summaries leave it alone; '
+                "<b>Summarize again</b> replaces it.</div>")
+    if chapter.summary_source == "model" and chapter.summary.strip():
+        return ('<div class="muted">Written by the model after the chapter\'s run; edit it and save to make it '
+                "yours.</div>")
+    return ('<div class="muted">No summary yet. When this chapter no longer fits whole into a later chapter\'s '
+            "prompt, its summary goes there instead.</div>")
+
+
+OUTLINE_COLUMNS = ["Title", "Instructions"]
+LORE_COLUMNS = ["Name", "Keywords", "Text"]
+
+
+def outline_status(run: Any | None) -> str:
+    """The state of the project's latest outline run (HTML)."""
+    if run is None:
+        return ('<div class="muted">The model proposes chapters from the premise; edit the table, then apply it. '
+                "Or type an outline yourself.</div>")
+    if run.status in ACTIVE:
+        return (f'<div class="muted">{badge(run.status)} proposing an outline (run #{run.id}, '
+                f"{fmt_int(run.n_tokens)} tokens)…</div>")
+    if run.status == "done":
+        return f'<div class="muted">{badge("done")} outline proposed by run #{run.id}: edit it, then apply it.</div>'
+    return f'<div class="muted">{badge(run.status)} {esc(run.error or "The outline run did not finish.")}</div>'
+
+
+def summaries_overview(chapters: Sequence[Any]) -> str:
+    """Every chapter's summary at a glance (HTML)."""
+    if not chapters:
+        return '<div class="muted">No chapters yet.</div>'
+    rows = []
+    for i, c in enumerate(chapters):
+        text = esc(short(c.summary, 300)) if c.summary.strip() else '<span class="muted">no summary</span>'
+        rows.append(f"<tr><td>{i + 1}</td><td>{esc(c.title)}</td><td>{fmt_int(c.word_count)}</td><td>{text}</td></tr>")
+    return ('<table class="summaries"><thead><tr><th>#</th><th>Chapter</th><th>Words</th><th>Summary</th></tr>'
+            f"</thead><tbody>{''.join(rows)}</tbody></table>")

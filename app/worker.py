@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import storage as st
-from app.jobs import resume_chain, user_settings, validate_settings
-from app.prompting import build_chapter_prompt, prompt_budget
+from app.jobs import queue_summary, resume_chain, user_settings, validate_settings
+from app.prompting import build_chapter_prompt, prompt_budget, summary_prompt
 from core.generation.metrics import REPETITION_WINDOW, RepetitionTracker
+from storage.queries import CHAPTER_MODES
 
 if TYPE_CHECKING:
     import torch
@@ -385,12 +386,26 @@ class Worker:
                 log.exception("run %s: could not be prepared", run.id)
                 return self._finish(run, "failed", describe_error(e))
             try:
-                return self._generate(run, job, deadline)
+                outcome = self._generate(run, job, deadline)
             except Exception as e:  # a bug in the bookkeeping: still end the run rather than leave it running
                 log.exception("run %s: unexpected error", run.id)
                 return self._finish(run, "failed", describe_error(e))
+            if outcome.status == "done" and run.chapter_id is not None and run.mode in CHAPTER_MODES:
+                self._queue_summary(run)
+            return outcome
         finally:
             self._set_state("ready", self._message("Idle."))
+
+    def _queue_summary(self, run: st.Run) -> None:
+        """After a chapter run: the chapter's summary, written by the model (where the project wants one)."""
+        try:
+            summary = queue_summary(self.db, run.chapter_id, run.settings, model=run.model, heads=run.heads,
+                                    context=self.engine.max_context if self.engine else None, auto=True)
+        except (ValueError, st.StorageError) as e:  # the chapter went meanwhile, or its settings are unusable
+            log.warning("run %s: no summary queued for its chapter: %s", run.id, e)
+            return
+        if summary is not None:
+            log.info("run %s: summary run %s queued for chapter %s", run.id, summary.id, run.chapter_id)
 
     def _finish(self, run: st.Run, status: str, error: str | None = None, **timings: float) -> Outcome:
         try:
@@ -430,7 +445,7 @@ class Worker:
         if run.mode == "resume" and not earlier:
             raise RunFailed("Nothing to resume: the earlier run wrote no tokens.")
         # A resume must see exactly the prompt the first run saw; app.jobs copies it, storage callers may not.
-        prompt = run.prompt or (chain[0].prompt if chain else None) or self._chapter_prompt(run, settings)
+        prompt = run.prompt or (chain[0].prompt if chain else None) or self._build_prompt(run, settings)
         try:
             from core.generation.text import encode_prompt
 
@@ -454,25 +469,30 @@ class Worker:
         return _Job(prompt_ids, config, resume_ids, len(earlier), len(own), offset, prior_decode_s,
                     run.prefill_s or 0.0)
 
-    def _chapter_prompt(self, run: st.Run, settings: dict[str, Any]) -> str:
-        """Build a chapter run's prompt now (the earlier chapters may have been written since it was queued) and
-        save it in the run, so a later resume or chunk uses exactly the same text."""
+    def _build_prompt(self, run: st.Run, settings: dict[str, Any]) -> str:
+        """Build a chapter or summary run's prompt now (the earlier chapters may have been written since it was
+        queued) and save it in the run, so a later resume or chunk uses exactly the same text."""
         engine = self.engine
         assert engine is not None
-        if run.chapter_id is None:
+        chapter_id = run.summary_of if run.mode == "summary" else run.chapter_id
+        if chapter_id is None:
             raise RunFailed("This run has no prompt and no chapter (was the chapter deleted?).")
         try:
-            chapter = st.get_chapter(self.db, run.chapter_id)
+            chapter = st.get_chapter(self.db, chapter_id)
             project = st.get_project(self.db, chapter.project_id)
-            chapters = st.list_chapters(self.db, chapter.project_id, with_text=True)
+            budget = prompt_budget(engine.max_context, settings["max_new_tokens"])
+            if run.mode == "summary":
+                prompt, info = summary_prompt(project, chapter, engine.tokenizer, budget), None
+            else:
+                chapters = st.list_chapters(self.db, chapter.project_id, with_text=True)
+                built = build_chapter_prompt(project, chapters, chapter, engine.tokenizer, budget, mode=run.mode,
+                                             lore=st.list_lore(self.db, project.id))
+                prompt, info = built.text, built.report.as_dict()
         except st.NotFoundError as e:
             raise RunFailed(f"The chapter to write is gone: {e}") from None
-        budget = prompt_budget(engine.max_context, settings["max_new_tokens"])
-        try:
-            prompt = build_chapter_prompt(project, chapters, chapter, engine.tokenizer, budget, mode=run.mode)
         except ValueError as e:
             raise RunFailed(f"The prompt does not fit: {e}.") from None
-        st.set_run_prompt(self.db, run.id, prompt)
+        st.set_run_prompt(self.db, run.id, prompt, info)
         return prompt
 
     def _generate(self, run: st.Run, job: _Job, deadline: float | None) -> Outcome:

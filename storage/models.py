@@ -13,7 +13,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ForeignKey, Index, MetaData, String, Text
+from sqlalchemy import ForeignKey, Index, MetaData, String, Text, true
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 PROJECT_KINDS = ("novel", "report", "other")
 CHAPTER_STATUSES = ("empty", "draft", "generating", "done")
-RUN_MODES = ("generate", "continue", "regenerate", "resume", "compare")
+RUN_MODES = ("generate", "continue", "regenerate", "resume", "compare", "summary", "outline")
 RUN_METHODS = ("ar", "tokenswift")
 RUN_STATUSES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
 ACTIVE_STATUSES = ("queued", "running")
@@ -29,6 +29,10 @@ FINAL_STATUSES = ("done", "failed", "cancelled", "interrupted")
 # The writer of a single-user studio (a laptop): every row made without a signed-in or browser-keyed writer.
 LOCAL_OWNER = "local"
 MAX_OWNER = 100
+# Who wrote a chapter's summary: nobody yet, the model (a summary run) or the writer (a hand edit, which the
+# automatic summaries then leave alone).
+SUMMARY_SOURCES = ("", "model", "writer")
+DEFAULT_LORE_TOKENS = 400
 
 
 def utcnow() -> datetime:
@@ -88,6 +92,10 @@ class Project(Base):
     premise: Mapped[str] = mapped_column(Text, default="")
     settings: Mapped[dict[str, Any]] = mapped_column(JSONDict, default=dict)  # default generation settings
     goal_words: Mapped[int | None]  # the writer's word-count goal for the whole project
+    # The story's memory (app.prompting): at most this many prompt tokens for lorebook entries, and whether a
+    # chapter's summary is written by the model after each of its runs.
+    lore_tokens: Mapped[int] = mapped_column(default=DEFAULT_LORE_TOKENS, server_default=str(DEFAULT_LORE_TOKENS))
+    auto_summary: Mapped[bool] = mapped_column(default=True, server_default=true())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -104,8 +112,26 @@ class Chapter(Base):
     text: Mapped[str] = mapped_column(Text, default="")
     word_count: Mapped[int] = mapped_column(default=0)
     status: Mapped[str] = mapped_column(String(20), default="empty")
+    summary: Mapped[str] = mapped_column(Text, default="", server_default="")  # "story so far" for later prompts
+    summary_source: Mapped[str] = mapped_column(String(20), default="", server_default="")  # SUMMARY_SOURCES
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class LoreEntry(Base):
+    """A lorebook entry: a character, a place, a rule of the world, put into a chapter's prompt when one of its
+    keywords appears in the recent text or the chapter's instructions."""
+
+    __tablename__ = "lore_entries"
+    __table_args__ = (Index("ix_lore_entries_project_position", "project_id", "position"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    position: Mapped[int]  # the writer's order, which is also the order of priority within the token share
+    name: Mapped[str] = mapped_column(String(200))
+    keywords: Mapped[str] = mapped_column(Text, default="")  # comma-separated
+    text: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class ChapterRevision(Base):
@@ -154,12 +180,17 @@ class Run(Base):
     project_id: Mapped[int | None] = mapped_column(ForeignKey("projects.id", ondelete="SET NULL"), index=True)
     chapter_id: Mapped[int | None] = mapped_column(ForeignKey("chapters.id", ondelete="SET NULL"), index=True)
     comparison_id: Mapped[int | None] = mapped_column(ForeignKey("comparisons.id", ondelete="SET NULL"), index=True)
+    # A "summary" run writes the summary of this chapter (not its text: chapter_id stays NULL, so a summary never
+    # counts as the chapter's latest run).
+    summary_of: Mapped[int | None] = mapped_column(ForeignKey("chapters.id", ondelete="SET NULL"), index=True)
     mode: Mapped[str] = mapped_column(String(20))
     method: Mapped[str] = mapped_column(String(20))
     model: Mapped[str] = mapped_column(String(500))
     heads: Mapped[str | None] = mapped_column(String(500))
     settings: Mapped[dict[str, Any]] = mapped_column(JSONDict, default=dict)
     prompt: Mapped[str | None] = mapped_column(Text)  # the text actually fed to the model
+    # What went into a chapter prompt: each part's tokens and what was left out (app.prompting.PromptReport).
+    prompt_info: Mapped[dict[str, Any] | None] = mapped_column(JSONDict)
     status: Mapped[str] = mapped_column(String(20), default="queued")
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     worker_id: Mapped[str | None] = mapped_column(String(100))

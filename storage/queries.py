@@ -46,6 +46,7 @@ MAX_PREMISE = 20_000
 MAX_INSTRUCTIONS = 20_000
 MAX_PROMPT = 1_000_000
 MAX_GOAL_WORDS = 10_000_000
+MAX_LORE_TOKENS = 4096
 CHAPTER_MODES = ("generate", "continue", "regenerate", "resume")
 STEP_FIELDS = {  # name -> default (... = required)
     "step": ..., "new_tokens": ..., "step_ms": ..., "tokens_so_far": ...,
@@ -172,9 +173,16 @@ def rename_project(db: Database, project_id: int, title: str, owner: str | None 
 
 def update_project(db: Database, project_id: int, *, premise: str | None = None, kind: str | None = None,
                    settings: Mapping[str, Any] | None = None, goal_words: int | None = None,
+                   lore_tokens: int | None = None, auto_summary: bool | None = None,
                    owner: str | None = None) -> Project:
-    """Change a project's premise, kind, default generation settings and/or word goal (None = keep; a goal of 0
-    removes it)."""
+    """Change a project's premise, kind, default generation settings, word goal (a goal of 0 removes it), the
+    lorebook's token share and/or whether chapters are summarized after their runs (None = keep)."""
+    if lore_tokens is not None and (isinstance(lore_tokens, bool) or not isinstance(lore_tokens, int)
+                                    or not 0 <= lore_tokens <= MAX_LORE_TOKENS):
+        raise ValidationError(f"The lorebook's share must be a whole number of tokens from 0 to "
+                              f"{MAX_LORE_TOKENS:,}, got {lore_tokens!r}.")
+    if auto_summary is not None and not isinstance(auto_summary, bool):
+        raise ValidationError(f"Automatic summaries must be on or off, got {auto_summary!r}.")
     if goal_words is not None and (isinstance(goal_words, bool) or not isinstance(goal_words, int)
                                    or not 0 <= goal_words <= MAX_GOAL_WORDS):
         raise ValidationError(f"The word goal must be a whole number from 0 (no goal) to {MAX_GOAL_WORDS:,}, "
@@ -189,6 +197,10 @@ def update_project(db: Database, project_id: int, *, premise: str | None = None,
             project.settings = _settings(settings)
         if goal_words is not None:
             project.goal_words = goal_words or None
+        if lore_tokens is not None:
+            project.lore_tokens = lore_tokens
+        if auto_summary is not None:
+            project.auto_summary = auto_summary
     return project
 
 
@@ -335,7 +347,7 @@ def delete_chapter(db: Database, chapter_id: int, owner: str | None = None) -> N
     """Delete a chapter and its revisions; its runs are kept (chapter_id NULL), active ones cancelled."""
     with db.write() as s:
         project_id = _owned(s, Chapter, chapter_id, owner, lock=True).project_id
-        _cancel_active(s, Run.chapter_id == chapter_id)
+        _cancel_active(s, or_(Run.chapter_id == chapter_id, Run.summary_of == chapter_id))
         s.execute(delete(Chapter).where(Chapter.id == chapter_id))
         _renumber(s, _chapter_order(s, project_id))
 
@@ -354,17 +366,20 @@ def _check_queue(s: Session, owner: str, adding: int, max_queued: int | None) ->
 
 def enqueue_run(db: Database, *, mode: str, method: str, model: str, settings: Mapping[str, Any] | None = None,
                 prompt: str | None = None, heads: str | None = None, project_id: int | None = None,
-                chapter_id: int | None = None, comparison_id: int | None = None,
-                owner: str = LOCAL_OWNER) -> Run:
-    """Queue ``owner``'s run (status "queued"). For chapter runs prefer ``start_chapter_run``."""
+                chapter_id: int | None = None, comparison_id: int | None = None, summary_of: int | None = None,
+                owner: str = LOCAL_OWNER, max_queued: int | None = None) -> Run:
+    """Queue ``owner``'s run (status "queued"). For chapter runs prefer ``start_chapter_run``, for summaries
+    ``storage.story.queue_summary``. Refused when the writer would have more than ``max_queued`` runs waiting."""
     run = Run(mode=_choice(mode, "mode", RUN_MODES), method=_choice(method, "method", RUN_METHODS),
               model=_text(model, "model name", 500, required=True), heads=heads, settings=_settings(settings),
               prompt=prompt, project_id=project_id, chapter_id=chapter_id, comparison_id=comparison_id,
-              owner=_check_owner(owner))
+              summary_of=summary_of, owner=_check_owner(owner))
     with db.write() as s:
-        for table, id in ((Project, project_id), (Chapter, chapter_id), (Comparison, comparison_id)):
+        for table, id in ((Project, project_id), (Chapter, chapter_id), (Comparison, comparison_id),
+                          (Chapter, summary_of)):
             if id is not None:
                 _owned(s, table, id, owner)
+        _check_queue(s, owner, 1, max_queued)
         s.add(run)
     return run
 
@@ -413,6 +428,9 @@ def claim_next_run(db: Database, worker_id: str) -> Run | None:
         run = s.scalars(update(Run).where(Run.id == oldest, Run.status == "queued")
                         .values(status="running", worker_id=worker_id, started_at=now, heartbeat_at=now)
                         .returning(Run)).one_or_none()
+        if run is not None and run.summary_of is not None:
+            # A summary run writes the chapter's summary afresh (its output is appended as it comes).
+            s.execute(update(Chapter).where(Chapter.id == run.summary_of).values(summary="", summary_source="model"))
         if run is not None and run.chapter_id is not None:
             chapter = _get(s, Chapter, run.chapter_id)
             if run.mode == "regenerate" and chapter.text:
@@ -469,10 +487,13 @@ def append_output(db: Database, run_id: int, text_delta: str = "", token_ids_del
             values[name] = value
     with db.write() as s:
         row = s.execute(update(Run).where(Run.id == run_id, Run.status == "running")
-                        .values(**values).returning(Run.chapter_id)).one_or_none()
+                        .values(**values).returning(Run.chapter_id, Run.summary_of)).one_or_none()
         if row is None:
             status = _get(s, Run, run_id).status
             raise StorageError(f"Run {run_id} is {status}, not running; its output was not saved.")
+        if row.summary_of is not None and text_delta:
+            s.execute(update(Chapter).where(Chapter.id == row.summary_of)
+                      .values(summary=Chapter.summary + text_delta))
         chapter_id = row.chapter_id
         if chapter_id is not None and text_delta:
             # Exact word count without reading the chapter back: a word continues
@@ -485,11 +506,15 @@ def append_output(db: Database, run_id: int, text_delta: str = "", token_ids_del
             s.execute(insert(StepMetric), rows)
 
 
-def set_run_prompt(db: Database, run_id: int, prompt: str) -> None:
-    """Record the prompt a worker built for its running run (resumes and later chunks reuse it exactly)."""
+def set_run_prompt(db: Database, run_id: int, prompt: str, info: Mapping[str, Any] | None = None) -> None:
+    """Record the prompt a worker built for its running run (resumes and later chunks reuse it exactly) and, for a
+    chapter prompt, ``info``: what went into it (shown under the chapter)."""
     prompt = _text(prompt, "Prompt", MAX_PROMPT)
+    values: dict[str, Any] = {"prompt": prompt}
+    if info is not None:
+        values["prompt_info"] = _settings(info)
     with db.write() as s:
-        s.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(prompt=prompt))
+        s.execute(update(Run).where(Run.id == run_id, Run.status == "running").values(**values))
 
 
 def finish_run(db: Database, run_id: int, status: str, error: str | None = None, *,

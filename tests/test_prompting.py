@@ -28,6 +28,10 @@ def sentences(tag, n):
     return " ".join(f"{tag} sentence number {i} tells of waves and the lamp." for i in range(n))
 
 
+def build(*args, **kwargs):
+    return build_chapter_prompt(*args, **kwargs).text
+
+
 def n_tokens(tokenizer, prompt):
     return len(encode_prompt(tokenizer, prompt))
 
@@ -35,7 +39,7 @@ def n_tokens(tokenizer, prompt):
 def test_generate_prompt_has_premise_instructions_and_earlier_chapters_in_order(tokenizer):
     chapters = [chapter(0, "First text.", "Dawn"), chapter(1, "Second text.", "Storm"),
                 chapter(2, "", "The reply", "She writes back."), chapter(3, "Later text.")]
-    prompt = build_chapter_prompt(project(), chapters, chapters[2], tokenizer, 2000)
+    prompt = build(project(), chapters, chapters[2], tokenizer, 2000)
     assert 'You are writing a novel titled "The Keeper"' in prompt
     assert "Premise: A lighthouse keeper finds a message in a bottle." in prompt
     assert "Instructions for chapter 3: She writes back." in prompt
@@ -47,7 +51,7 @@ def test_generate_prompt_has_premise_instructions_and_earlier_chapters_in_order(
 
 def test_untitled_first_chapter_of_a_report(tokenizer):
     chapters = [chapter(0)]
-    prompt = build_chapter_prompt(project("report", premise=""), chapters, chapters[0], tokenizer, 500)
+    prompt = build(project("report", premise=""), chapters, chapters[0], tokenizer, 500)
     assert 'writing a report titled "The Keeper", one section at a time' in prompt
     assert "Now write section 1." in prompt and "Chapter 1" not in prompt
     assert "Premise" not in prompt and "so far" not in prompt
@@ -55,17 +59,17 @@ def test_untitled_first_chapter_of_a_report(tokenizer):
 
 def test_continue_includes_the_chapter_text_so_far(tokenizer):
     chapters = [chapter(0, "Earlier chapter."), chapter(1, "She opened the bottle and")]
-    prompt = build_chapter_prompt(project(), chapters, chapters[1], tokenizer, 1000, mode="continue")
+    prompt = build(project(), chapters, chapters[1], tokenizer, 1000, mode="continue")
     assert prompt.index("Earlier chapter.") < prompt.index("She opened the bottle and")
     assert "Continue chapter 2 from exactly where it stops" in prompt
-    generate = build_chapter_prompt(project(), chapters, chapters[1], tokenizer, 1000, mode="generate")
+    generate = build(project(), chapters, chapters[1], tokenizer, 1000, mode="generate")
     assert "She opened the bottle" not in generate
 
 
 def test_long_story_is_trimmed_from_the_start_to_fit(tokenizer):
     chapters = [chapter(0, sentences("Alpha", 300)), chapter(1, sentences("Beta", 300)), chapter(2)]
     budget = 600
-    prompt = build_chapter_prompt(project(), chapters, chapters[2], tokenizer, budget)
+    prompt = build(project(), chapters, chapters[2], tokenizer, budget)
     assert budget - 40 <= n_tokens(tokenizer, prompt) <= budget  # fills the budget, never exceeds it
     assert TRIM_MARKER in prompt
     assert "Beta sentence number 299 tells of waves and the lamp." in prompt  # the most recent text is kept
@@ -77,7 +81,7 @@ def test_long_story_is_trimmed_from_the_start_to_fit(tokenizer):
 
 def test_continue_keeps_the_end_of_the_chapter_first(tokenizer):
     chapters = [chapter(0, sentences("Alpha", 200)), chapter(1, sentences("Beta", 400))]
-    prompt = build_chapter_prompt(project(), chapters, chapters[1], tokenizer, 500, mode="continue")
+    prompt = build(project(), chapters, chapters[1], tokenizer, 500, mode="continue")
     assert n_tokens(tokenizer, prompt) <= 500
     assert "Beta sentence number 399" in prompt
     assert "Alpha" not in prompt  # the chapter's own text had priority over the earlier chapter
@@ -86,7 +90,7 @@ def test_continue_keeps_the_end_of_the_chapter_first(tokenizer):
 def test_premise_too_long_for_the_budget_is_refused(tokenizer):
     chapters = [chapter(0)]
     with pytest.raises(ValueError, match=r"premise and chapter instructions alone take \d+ tokens"):
-        build_chapter_prompt(project(premise=sentences("Premise", 100)), chapters, chapters[0], tokenizer, 200)
+        build(project(premise=sentences("Premise", 100)), chapters, chapters[0], tokenizer, 200)
 
 
 def test_prompt_budget():

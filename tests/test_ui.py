@@ -10,8 +10,9 @@ import pytest
 
 import storage
 from app import jobs, live, views
+from app.handling import guarded
 from app.live import LIVE_TAIL_CHARS, LiveCache, View
-from app.ui import Handlers, StudioContext, build_ui, guarded
+from app.ui import Handlers, StudioContext, build_ui
 
 MODEL = "tiny"
 
@@ -66,23 +67,27 @@ def test_blocks_build_with_named_api():
         assert f"/{name}" in names, name
 
 
-def test_the_compare_poll_runs_only_while_its_tab_is_open():
-    """Every poll is a round trip the page's scripts handle, beside the model on a small machine: the Compare tab's
-    poll has its own timer, off until that tab is selected, on while it is, off again when another tab is."""
+def test_the_tab_polls_run_only_while_their_tab_is_open():
+    """Every poll is a round trip the page's scripts handle, beside the model on a small machine: the Compare and
+    Story bible tabs' polls have their own timers, off until that tab is selected, on while it is, off again when
+    another tab is."""
     with storage.open_database(":memory:") as db:
         demo = build_ui(StudioContext(db=db, model=MODEL))
     fns = list(demo.fns.values())
     timer_of = {fn.api_name: demo.blocks[fn.targets[0][0]] for fn in fns
-                if fn.api_name in ("refresh", "refresh_compare")}
-    write_timer, compare_timer = timer_of["refresh"], timer_of["refresh_compare"]
-    assert isinstance(compare_timer, gr.Timer) and compare_timer is not write_timer
-    assert write_timer.active and not compare_timer.active
+                if fn.api_name in ("refresh", "refresh_compare", "refresh_outline")}
+    write_timer, compare_timer, bible_timer = (timer_of[k] for k in ("refresh", "refresh_compare", "refresh_outline"))
+    assert all(isinstance(t, gr.Timer) for t in (compare_timer, bible_timer))
+    assert len({id(write_timer), id(compare_timer), id(bible_timer)}) == 3
+    assert write_timer.active and not compare_timer.active and not bible_timer.active
     tabs = {block.label: block for block in demo.blocks.values() if isinstance(block, gr.Tab)}
     switches = {}
     for fn in fns:
         if fn.targets[0][1] == "select" and compare_timer in fn.outputs:
-            switches[demo.blocks[fn.targets[0][0]].label] = fn.fn().active
-    assert switches == {"Write": False, "Compare": True, "History & export": False}
+            states = dict(zip((id(b) for b in fn.outputs), (t.active for t in fn.fn())))
+            switches[demo.blocks[fn.targets[0][0]].label] = (states[id(compare_timer)], states[id(bible_timer)])
+    assert switches == {"Write": (False, False), "Story bible": (False, True), "Compare": (True, False),
+                        "History & export": (False, False)}
     assert set(switches) == set(tabs)
 
 

@@ -35,6 +35,8 @@ def tiny_engine(tiny_model_dir, one_thread):
 @pytest.fixture
 def book(db):
     project = st.create_project(db, "The Keeper", premise="A lighthouse keeper finds a message in a bottle.")
+    # The runs these tests count and compare are the chapter runs; summaries are tested in test_story_worker.py.
+    st.update_project(db, project.id, auto_summary=False)
     first = st.add_chapter(db, project.id, "The bottle", "She finds it at dawn.")
     second = st.add_chapter(db, project.id, "The reply", "She writes back.")
     return project, first, second
