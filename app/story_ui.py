@@ -17,8 +17,8 @@ from typing import Any
 import gradio as gr
 
 import storage
-from app import jobs, views
 from app import export as exporter
+from app import jobs, views
 from app.handling import guarded, owner_id
 from app.live import LiveCache, View
 from app.prompting import parse_outline

@@ -7,7 +7,13 @@ import pytest
 
 from app import views
 from app.prompting import (
-    SUMMARY_SHARE, TRIM_MARKER, applicable_lore, build_chapter_prompt, outline_prompt, parse_outline, summary_prompt,
+    SUMMARY_SHARE,
+    TRIM_MARKER,
+    applicable_lore,
+    build_chapter_prompt,
+    outline_prompt,
+    parse_outline,
+    summary_prompt,
 )
 from core.generation.text import encode_prompt
 
@@ -170,7 +176,7 @@ def test_summary_and_outline_prompts(tokenizer):
     with pytest.raises(ValueError, match="no text to summarize"):
         summary_prompt(project(), chapters[1], tokenizer, 800)
     plan = outline_prompt(project(), 5)
-    assert "in 5 chapters" in plan and "A lighthouse keeper finds a message." in plan
+    assert "the 5 chapters of a novel" in plan and "A lighthouse keeper finds a message." in plan
 
 
 def test_parse_outline_reads_numbered_lines():

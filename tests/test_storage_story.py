@@ -85,7 +85,7 @@ def test_the_writers_summary_is_kept_from_automatic_ones(db, book):
 
 
 def test_summary_runs_count_toward_the_writers_queue_and_go_with_their_chapter(db, book):
-    project, first, _ = book
+    _, first, _ = book
     st.start_chapter_run(db, first.id, "continue", method="ar", model=MODEL, settings=SETTINGS, owner=A,
                          max_queued=1)
     with pytest.raises(st.ValidationError, match="waiting in the queue"):
@@ -125,7 +125,7 @@ def test_the_lorebook_is_saved_whole_in_order_and_checked(db, book):
 
 
 def test_applying_an_outline_updates_and_adds_chapters_and_keeps_their_text(db, book):
-    project, first, second = book
+    project, _, second = book
     added, updated = st.apply_outline(db, project.id, [
         ("", "She finds a bottle at dawn."),  # keeps its title
         ("", ""),  # skipped
@@ -146,7 +146,7 @@ def test_applying_an_outline_updates_and_adds_chapters_and_keeps_their_text(db, 
 
 
 def test_a_project_moves_between_studios_as_json(db, book, tmp_path):
-    project, first, second = book
+    project, first, _ = book
     st.update_project(db, project.id, goal_words=50_000, lore_tokens=250, settings={"seed": 9}, owner=A)
     st.set_chapter_text(db, first.id, "Dawn came grey over the rocks. Then the bottle.", owner=A)  # a revision
     st.set_summary(db, first.id, "The bottle arrives.", owner=A)
@@ -177,7 +177,7 @@ def test_a_project_moves_between_studios_as_json(db, book, tmp_path):
     (lambda s: s.update(chapters="no"), "chapters must be a list"),
 ])
 def test_a_bad_project_file_is_refused_and_adds_nothing(db, book, change, message):
-    project, first, _ = book
+    project, _, _ = book
     st.set_lore(db, project.id, [{"name": "Mara", "keywords": "Mara", "text": "The keeper."}], owner=A)
     snapshot = st.project_snapshot(db, project.id, A)
     change(snapshot)
