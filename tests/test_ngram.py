@@ -112,7 +112,7 @@ def test_a_steps_lookups_do_not_scan_the_history() -> None:
         t.extend(seq)
         seq += [7, 5, 6, 8]  # one step's new tokens
 
-        def step() -> None:
+        def step(t: NGramTable = t, seq: list[int] = seq) -> None:
             t.extend(seq)
             for key in (7, 5):
                 t.total(key)

@@ -32,7 +32,7 @@ from core.engine import Engine
 from core.generation.decoding import GenerationConfig, Result
 from core.generation.sampling import PRESETS
 from core.tokenswift.options import TokenSwiftOptions
-from core.tools.random_model import SHAPES, parameter_count, random_engine
+from core.tools.random_model import parameter_count, random_engine
 
 # (cost-curve shape, its contexts, compare shape, its contexts, new tokens per run) per device kind
 PLANS: dict[str, dict[str, Any]] = {

@@ -25,8 +25,8 @@ from core.engine import Engine
 from core.generation.decoding import Generation, GenerationConfig
 from core.generation.sampling import PRESETS
 from core.runtime.kv_cache import KVCache
-from core.tools.args import options_from
 from core.tokenswift.ngram import NGramTable
+from core.tools.args import options_from
 from core.tools.random_model import random_engine
 
 
