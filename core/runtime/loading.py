@@ -191,10 +191,24 @@ def cache_is_valid(folder: Path) -> bool:
         return False
 
 
+def _point_at(folder: Path, gguf: Path) -> None:
+    """Make a valid cache entry name `gguf` as its source: the same file (same fingerprint) may have been converted
+    from another path, e.g. another checkout's environment since deleted, and the GGUF's own blocks are read from
+    the source (gguf_source)."""
+    path = folder / MANIFEST
+    manifest = json.loads(path.read_text())
+    if manifest.get("source") != str(gguf):
+        manifest["source"] = str(gguf)
+        tmp = path.with_name(f"{MANIFEST}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old manifest or the new one
+
+
 def converted_gguf(gguf: Path, name: str) -> Path:
     """The cache folder for this GGUF file, converting it first if it is missing, partial or corrupt."""
     folder = cache_root() / "models" / f"{name}-{gguf_fingerprint(gguf)}"
     if cache_is_valid(folder):
+        _point_at(folder, gguf)
         return folder
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
