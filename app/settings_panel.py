@@ -5,13 +5,14 @@ module's ``validate_settings``, so the limits live in one place.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 
 from app import jobs
+from app.model_offers import Offer
 
 # name -> (label, help); the order is the panel's order.
 FIELDS: dict[str, tuple[str, str]] = {
@@ -29,6 +30,7 @@ FIELDS: dict[str, tuple[str, str]] = {
 METHOD_CHOICES = [("TokenSwift", "tokenswift"), ("Vanilla", "ar")]
 SLIDERS = {"temperature": 0.05, "top_p": 0.01, "min_p": 0.01, "penalty": 0.01}  # name -> step
 INTEGERS = ("max_new_tokens", "top_k", "penalty_window", "seed")
+MODEL = "model"  # the picker's name among a panel's values (not a generation setting)
 
 
 @dataclass
@@ -45,7 +47,8 @@ class SettingsPanel:
     def updates(self, settings: Mapping[str, Any] | None) -> list[Any]:
         """gr.update()s that show ``settings`` (defaults where missing or unknown)."""
         merged = {**jobs.DEFAULT_SETTINGS, **{k: v for k, v in (settings or {}).items() if k in jobs.DEFAULT_SETTINGS}}
-        return [gr.update(value=merged.get(name)) for name in self.names]
+        # The model is not a stored setting: the picker keeps what it shows.
+        return [gr.update() if name == MODEL else gr.update(value=merged.get(name)) for name in self.names]
 
 
 def _limits(name: str) -> tuple[float | None, float | None]:
@@ -53,11 +56,13 @@ def _limits(name: str) -> tuple[float | None, float | None]:
     return lo, hi
 
 
-def build(prefix: str, *, include_method: bool = True, compact: bool = False) -> SettingsPanel:
+def build(prefix: str, *, include_method: bool = True, compact: bool = False,
+          models: Sequence[Offer] = ()) -> SettingsPanel:
     """Create the controls inside the current Blocks context and return them.
 
     ``prefix`` makes the element ids unique ("write-max_new_tokens"); ``include_method``: False for Compare, which
-    always runs both methods.
+    always runs both methods; ``models``: the studio's offers (app.model_offers), a picker named "model" when there
+    is more than one (``pop_model`` takes it out of the values before they are validated).
     """
     defaults = jobs.DEFAULT_SETTINGS
     names = [n for n in FIELDS if n in defaults and (include_method or n != "method")]
@@ -78,8 +83,15 @@ def build(prefix: str, *, include_method: bool = True, compact: bool = False) ->
         return gr.Number(value=value, label=label, info=info, minimum=lo, maximum=hi, elem_id=elem_id,
                          precision=0 if name in INTEGERS else None, step=1 if name in INTEGERS else None)
 
+    if len(models) > 1:
+        with gr.Row():
+            by_name[MODEL] = gr.Dropdown([(o.label, o.spec) for o in models], value=models[0].spec, label="Model",
+                                         info="A GPU studio with the hub in reach offers TokenSwift's published "
+                                              "checkpoints; the worker loads the one a run asks for.",
+                                         elem_id=f"{prefix}-model")
+        names = [MODEL, *names]
     first = [n for n in ("method", "max_new_tokens", "ignore_eos") if n in names]
-    rest = [n for n in names if n not in first]
+    rest = [n for n in names if n not in first and n != MODEL]
     with gr.Row(equal_height=True):
         for name in first:
             by_name[name] = make(name)
@@ -102,6 +114,11 @@ def collect(values: Mapping[str, Any]) -> dict[str, Any]:
             value = int(value)
         raw[name] = value
     return raw
+
+
+def pop_model(values: dict[str, Any]) -> str | None:
+    """Take the model picker's value out of a panel's values (None: no picker, or nothing picked)."""
+    return values.pop(MODEL, None) or None
 
 
 def validated(values: Mapping[str, Any]) -> dict[str, Any]:

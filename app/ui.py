@@ -33,6 +33,7 @@ from app.charts import all_figures, buckets_from_rows
 from app.handling import guarded, owner_id, page_id, skip_none
 from app.hosting import Hosting
 from app.live import LiveCache, View
+from app.model_offers import Offer
 from app.zerogpu import ChunkDriver
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class StudioContext:
     driver: ChunkDriver | None = None  # ZeroGPU only
     poll_s: float = POLL_S
     hosting: Hosting = field(default_factory=Hosting)
+    offers: tuple[Offer, ...] = ()  # models a writer may pick (app.model_offers); none: the studio's model only
+
+    def allowed_models(self) -> list[str]:
+        return [self.model, *(o.spec for o in self.offers if o.spec != self.model)]
 
 
 def theme() -> gr.themes.Base:
@@ -117,6 +122,19 @@ class Handlers:
         if (p is not None and p != view.project_id) or (c is not None and c != view.chapter_id):
             raise gr.Error("The page switched project or chapter while you were typing; nothing was saved. "
                            "Please try again.", print_exception=False)
+
+    def _model(self, picked: str | None) -> str:
+        """The model a run is queued for: the picked one, which must be on offer, or the studio's."""
+        if picked is None:
+            return self.ctx.model
+        if picked not in self.ctx.allowed_models():
+            raise gr.Error(f"This studio does not offer the model {html.escape(str(picked))[:200]}.",
+                           print_exception=False)
+        return picked
+
+    def _heads(self, model: str) -> str | None:
+        """The heads to queue with a run: the studio's for its own model; a published checkpoint's own heads."""
+        return self.ctx.heads if model == self.ctx.model else "default"
 
     def _project_choices(self, view: View) -> list[tuple[str, int]]:
         return [(views.project_label(p), p.id) for p in storage.list_projects(self.db, self._me(view))]
@@ -423,14 +441,18 @@ class Handlers:
         self._check_owner(view, project_owner, chapter_owner)
         chapter = self._chapter(view)
         self._save_meta(view, premise, title, instructions)
+        model = self._model(settings_panel.pop_model(settings_values))
         if mode == "resume":
             # app.jobs reuses the stopped run's prompt and settings: that is what makes the continuation exact.
             settings = None
+            latest = storage.latest_run_for_chapter(self.db, chapter.id, owner=self._me(view))
+            if latest is not None and latest.model in self.ctx.allowed_models():
+                model = latest.model  # only the model that wrote it can continue it
         else:
             settings = settings_panel.validated(settings_values)
             # Remember them as the project's defaults (shown the next time the project is opened).
             storage.update_project(self.db, chapter.project_id, settings=settings, owner=self._me(view))
-        run = jobs.queue_chapter_run(self.db, chapter.id, mode, settings, model=self.ctx.model, heads=self.ctx.heads,
+        run = jobs.queue_chapter_run(self.db, chapter.id, mode, settings, model=model, heads=self._heads(model),
                                      owner=self._me(view), max_queued=self.hosting.max_queued,
                                      max_tokens=self.hosting.max_tokens)
         return views.run_status(run, position=storage.queue_position(self.db, run.id))
@@ -492,8 +514,9 @@ class Handlers:
         """Queue vanilla then TokenSwift on the same prompt, seed and settings; open the comparison."""
         if not (prompt or "").strip():
             raise gr.Error("Write a prompt to compare on.", print_exception=False)
+        model = self._model(settings_panel.pop_model(settings_values))
         settings = settings_panel.validated(settings_values)
-        comparison = jobs.queue_comparison(self.db, prompt, settings, model=self.ctx.model, heads=self.ctx.heads,
+        comparison = jobs.queue_comparison(self.db, prompt, settings, model=model, heads=self._heads(model),
                                            project_id=view.project_id, owner=self._me(view),
                                            max_queued=self.hosting.max_queued, max_tokens=self.hosting.max_tokens)
         view.compare_id = comparison.id
@@ -755,7 +778,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                             restore_btn = gr.Button("Restore this revision", size="sm", elem_id="restore-revision")
                         summary = story_ui.summary_panel()
                         with gr.Accordion("Generation settings", open=False, elem_id="write-settings"):
-                            h.write_panel = settings_panel.build("write")
+                            h.write_panel = settings_panel.build("write", models=ctx.offers)
                     with gr.Column(scale=2, min_width=340, elem_classes="charts"):
                         write_plots = _plots("write")
 
@@ -772,7 +795,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                             cmp_btn = gr.Button("Run comparison", variant="primary", elem_id="run-compare", scale=0,
                                                 min_width=220)
                     with gr.Column(scale=2):
-                        h.compare_panel = settings_panel.build("compare", include_method=False, compact=True)
+                        h.compare_panel = settings_panel.build("compare", include_method=False, compact=True,
+                                                               models=ctx.offers)
                 cmp_summary = gr.HTML(elem_id="compare-summary", js_on_load=None)
                 with gr.Row(elem_classes="compare-grid", equal_height=False):
                     with gr.Column():

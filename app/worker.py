@@ -30,13 +30,14 @@ run that resumes it.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,12 +141,16 @@ class Worker:
                  device: str | None = None, compile: bool | None = False, worker_id: str | None = None,
                  weights: str = "auto",
                  poll_s: float = 0.5, *, engine: Engine | None = None, flush_s: float = FLUSH_S,
-                 stale_after_s: float = STALE_AFTER_S):
+                 stale_after_s: float = STALE_AFTER_S, models: Sequence[str] = ()):
         self.db = db
         self.model = model or os.environ.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL
         if engine is not None:
             self.model = model or engine.loaded.name
         self.heads = heads
+        # Its own model and heads, and the other models it loads when a run asks for one (app.model_offers: a
+        # published checkpoint brings its own heads).
+        self.own = (self.model, heads)
+        self.models = tuple(m for m in models if not same_model(m, self.model))
         self.device = device
         self.weights = weights
         self.compile = compile
@@ -361,8 +366,32 @@ class Worker:
             run = self._own_paused_run() or st.claim_next_run(self.db, self.worker_id)
             if run is None:
                 return False
-            self.execute(run, time_budget_s)
+            error = self._serve(run.model)
+            if error is None:
+                self.execute(run, time_budget_s)
+            else:
+                self._finish(run, "failed", error)
             return True
+
+    def _serve(self, model: str) -> str | None:
+        """Load `model` if a run asks for it and this worker offers it (its own model or one of `models`); the
+        reason if it fails to load, after which the worker goes back to its own model (loaded for the next run)."""
+        if same_model(model, self.model) or not any(same_model(model, m) for m in (self.own[0], *self.models)):
+            return None  # the one loaded, or one this worker does not offer: _prepare says so
+        log.info("worker %s: switching from %s to %s", self.worker_id, self.model, model)
+        with self._load_lock:
+            self.engine, self._compiling, self.load_error = None, None, None
+            self.model = model
+            self.heads = self.own[1] if same_model(model, self.own[0]) else "default"
+        _free_memory()  # the old weights', before the new ones load
+        try:
+            self.ensure_engine()
+            return None
+        except RunFailed as e:
+            with self._load_lock:
+                self.engine, self.load_error = None, None
+                self.model, self.heads = self.own
+            return str(e)
 
     def _own_paused_run(self) -> st.Run | None:
         for active in st.active_runs(self.db):
@@ -579,10 +608,15 @@ def _timings(progress: dict[str, float], job: _Job, gen: Any) -> dict[str, float
 
 def _release_memory(e: BaseException) -> None:
     if type(e).__name__ == "OutOfMemoryError":
-        import torch
+        _free_memory()
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def check_room_to_compile(model: torch.nn.Module) -> None:
@@ -737,6 +771,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"be resumed (default {STALE_AFTER_S:g}; heartbeats come every {HEARTBEAT_S:g} s)")
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="CPU threads for torch: a whole number, or auto (default: torch's choice)")
+    p.add_argument("--published", action=argparse.BooleanOptionalAction, default=None,
+                   help="also load TokenSwift's published checkpoints when a run asks for one (default: on a GPU "
+                        "with the Hugging Face hub in reach, as the studio offers them)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -756,9 +793,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot open the database: {e}", file=sys.stderr)
         return 2
     heads = None if args.heads == "none" else args.heads
-    worker = Worker(db, model=args.model, heads=heads, device=args.device, compile=args.compile,
+    model = args.model or os.environ.get("TOKENSWIFT_MODEL") or DEFAULT_MODEL
+    models: list[str] = []
+    if args.published is not False:
+        from app.model_offers import PUBLISHED, studio_offers
+
+        models = ([c.hub_id for c in PUBLISHED] if args.published
+                  else [o.spec for o in studio_offers(model)])
+    worker = Worker(db, model=model, heads=heads, device=args.device, compile=args.compile,
                     worker_id=args.worker_id, poll_s=args.poll_s, weights=args.weights,
-                    stale_after_s=args.stale_after_s)
+                    stale_after_s=args.stale_after_s, models=models)
     # SIGTERM/SIGINT: finish the current step, save the run as interrupted (resumable), exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
