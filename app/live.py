@@ -10,6 +10,12 @@ A changed part is sent again on every poll for ``RESEND_S`` seconds after its ch
 time per session, but a timer tick and an action's follow-up refresh run side by side and their responses may reach
 the page in either order: an older response arriving last would otherwise stay on the page for good (e.g. "running"
 after Stop), because the cache believes the newer part is shown. The next tick's resend repairs it.
+
+The chapter text is the exception, because the writer types into it: the page sends a digest of the text it holds
+with every poll (``text_digest``, computed in the browser by ``DIGEST_JS``), and the text is sent exactly when the
+page holds something else than it should, unless what it holds is the writer's own typing (a text this session
+neither sent nor saw stored, in the same editable chapter), which is never overwritten. A stale response that lands last is then
+repaired by the next poll too, without a window in which typing is replaced.
 """
 from __future__ import annotations
 
@@ -28,6 +34,24 @@ from app.charts import StepBuckets, all_figures
 # 400 KB textarea every second would make the page sluggish. The whole text is shown (and editable) once it stops.
 LIVE_TAIL_CHARS = 50_000
 RESEND_S = 2.0  # polls run about once a second: a change is sent on one or two later ticks too
+SENT_KEPT = 8  # digests of recently sent texts remembered per session
+
+# The browser's half of text_digest: FNV-1a over the string's UTF-16 code units, and its length.
+DIGEST_JS = """(text) => {
+  if (typeof text !== "string") return null;
+  let h = 0x811c9dc5;
+  for (let i = 0; i < text.length; i++) { h ^= text.charCodeAt(i); h = Math.imul(h, 0x01000193) >>> 0; }
+  return text.length + ":" + h.toString(16);
+}"""
+
+
+def text_digest(text: str) -> str:
+    """A short digest of `text` that the page computes too (DIGEST_JS): its length and FNV-1a hash in UTF-16."""
+    units = text.encode("utf-16-le")
+    h = 0x811C9DC5
+    for i in range(0, len(units), 2):
+        h = ((h ^ (units[i] | units[i + 1] << 8)) * 0x01000193) & 0xFFFFFFFF
+    return f"{len(units) // 2}:{h:x}"
 
 
 @dataclass
@@ -50,6 +74,9 @@ class LiveCache:
     chapter_id: int | None = None  # the chapter whose text the textbox holds
     text_full: bool = False  # the textbox holds the whole chapter (not a live tail)
     text_editable: bool = False
+    # (the text part's key, digest of the text the page should hold, the whole text's length, whether it is a tail)
+    text_digest: tuple[Any, str, int, bool] | None = None
+    sent_digests: dict[str, None] = field(default_factory=dict)  # texts recently sent or stored, oldest first
     summary_chapter_id: int | None = None  # the chapter whose summary the summary box holds, editable
     run_id: int | None = None
     buckets: StepBuckets | None = None
@@ -84,7 +111,7 @@ class WriteUpdate:
     worker_html: str | None = None
     chapters: tuple[list[tuple[str, int]], int | None] | None = None  # (choices, selected)
     status_html: str | None = None
-    text: tuple[str, bool] | None = None  # (value, editable)
+    text: tuple[str | None, bool] | None = None  # (value, editable); value None: only the state
     counts_html: str | None = None
     goal_html: str | None = None
     summary: tuple[str, bool] | None = None  # the open chapter's summary (value, editable)
@@ -110,14 +137,32 @@ def _refresh_buckets(db: storage.Database, cache_buckets: StepBuckets | None, ru
 
 
 def poll_write(db: storage.Database, view: View, cache: LiveCache, *, zerogpu: bool = False,
-               now: float | None = None) -> WriteUpdate:
+               now: float | None = None, shown: str | None = None) -> WriteUpdate:
     """Read the open chapter's state and return what is to be sent since ``cache`` (which is updated); ``now`` is a
-    time.monotonic() reading (default: the current one)."""
+    time.monotonic() reading (default: the current one); ``shown`` the page's digest of the chapter text it holds
+    (None: unknown, as from an API caller)."""
     with cache.lock:  # a timer tick and an action's follow-up refresh may overlap for one session
-        return _poll_write(db, view, cache, zerogpu, time.monotonic() if now is None else now)
+        return _poll_write(db, view, cache, zerogpu, time.monotonic() if now is None else now, shown)
 
 
-def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: bool, now: float) -> WriteUpdate:
+def _shown_text(db: storage.Database, chapter_id: int, active: bool) -> tuple[str, bool, int]:
+    """The text the chapter box is to show, whether it is a live tail (while a run writes a long chapter), and the
+    length of the whole text."""
+    text = storage.get_chapter(db, chapter_id).text
+    tail = active and len(text) > LIVE_TAIL_CHARS
+    return ("…" + text[-LIVE_TAIL_CHARS:] if tail else text), tail, len(text)
+
+
+def _known(cache: LiveCache, digest: str) -> None:
+    """Remember `digest` as a text the page may hold from us (sent, or stored before a change): not typing."""
+    cache.sent_digests.pop(digest, None)
+    cache.sent_digests[digest] = None
+    while len(cache.sent_digests) > SENT_KEPT:
+        cache.sent_digests.pop(next(iter(cache.sent_digests)))
+
+
+def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: bool, now: float,
+                shown: str | None = None) -> WriteUpdate:
     up = WriteUpdate()
     header, ready = worker_html(db, zerogpu)
     if cache.due("worker", header, now):
@@ -148,18 +193,41 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
             up.text = ("" if view.chapter_id is None else message, False)
             up.counts_html = views.counts_line(0, None, None)
             cache.text_full, cache.text_editable, cache.chapter_id = False, False, None
-    else:
+    elif shown is None:  # a caller that does not say what it holds (the API): by change and resend, as the rest
         # Resending an editable text could overwrite what the writer types: not done when the same chapter was
         # already editable (a save), only where an older response may have left other or read-only text.
         keeps_editing = not active and cache.text_editable and cache.chapter_id == chapter.id
         if cache.due("text", (chapter.id, chapter.updated_at, chapter.word_count, chapter.status, active), now,
                      resend=not keeps_editing):
-            text = storage.get_chapter(db, chapter.id).text
-            tail = active and len(text) > LIVE_TAIL_CHARS
-            up.text = ("…" + text[-LIVE_TAIL_CHARS:] if tail else text, not active)
-            up.counts_html = views.counts_line(chapter.word_count, len(text), run.n_tokens if run else None,
+            text, tail, full = _shown_text(db, chapter.id, active)
+            up.text = (text, not active)
+            up.counts_html = views.counts_line(chapter.word_count, full, run.n_tokens if run else None,
                                                LIVE_TAIL_CHARS if tail else None)
             cache.text_full, cache.text_editable, cache.chapter_id = not tail, not active, chapter.id
+    else:
+        key = (chapter.id, chapter.updated_at, chapter.word_count, chapter.status, active)
+        same_editable = not active and cache.text_editable and cache.chapter_id == chapter.id
+        text = None
+        if cache.text_digest is None or cache.text_digest[0] != key:
+            if cache.text_digest is not None:
+                _known(cache, cache.text_digest[1])  # the stored text it replaces: a page holding that is stale
+            text, tail, full = _shown_text(db, chapter.id, active)
+            cache.text_digest = (key, text_digest(text), full, tail)
+        _, want, full, tail = cache.text_digest
+        typed = same_editable and shown != want and shown not in cache.sent_digests
+        state_due = cache.due("text-state", (chapter.id, active), now)  # read-only <-> editable, resent a while
+        if not typed and shown != want:
+            if text is None:
+                text = _shown_text(db, chapter.id, active)[0]
+            up.text = (text, not active)
+            _known(cache, want)
+        elif not typed and state_due:
+            up.text = (None, not active)  # the right text, perhaps in the wrong state: never resend the value
+        if up.text is not None:
+            cache.text_full, cache.text_editable, cache.chapter_id = not tail, not active, chapter.id
+        if cache.due("counts", key, now):
+            up.counts_html = views.counts_line(chapter.word_count, full, run.n_tokens if run else None,
+                                               LIVE_TAIL_CHARS if tail else None)
 
     # -- summary (the same care as the text: never resent over what the writer may be typing) --
     summary_run = storage.summary_run(db, chapter.id) if chapter is not None else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import html
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -469,21 +470,29 @@ class Handlers:
         gr.Info("Stopped." if status == "cancelled" else "Stopping after the current step…")
 
     def tick(self, view: View, cache: LiveCache, remembered: dict | None = None, key: str | None = None,
-             profile: gr.OAuthProfile | None = None) -> tuple[Any, ...]:
+             shown: str | None = None, profile: gr.OAuthProfile | None = None) -> tuple[Any, ...]:
         """The Write tab's timer: ``refresh``, after rejoining a page the server does not know."""
         self._rejoin(view, remembered, key, profile)
-        return self.refresh(view, cache)
+        return self.refresh(view, cache, shown)
 
-    def refresh(self, view: View, cache: LiveCache) -> tuple[Any, ...]:
-        """The 1 s poll of the Write tab (and header): only changed parts are sent."""
+    def refresh(self, view: View, cache: LiveCache, shown: str | None = None) -> tuple[Any, ...]:
+        """The 1 s poll of the Write tab (and header): only changed parts are sent. `shown`: the page's digest of
+        the chapter text it holds (live.DIGEST_JS); anything else (an API caller's text) counts as unknown."""
+        if not (isinstance(shown, str) and DIGEST.fullmatch(shown)):
+            shown = None
         try:
-            up = live.poll_write(self.db, view, cache, zerogpu=self.ctx.driver is not None)
+            up = live.poll_write(self.db, view, cache, zerogpu=self.ctx.driver is not None, shown=shown)
         except Exception:  # a transient database error must not pop a modal every second
             log.warning("refresh failed", exc_info=True)
             return tuple(gr.skip() for _ in range(WRITE_POLL_OUTPUTS))
         chapters = (gr.update(choices=up.chapters[0], value=up.chapters[1], interactive=True)
                     if up.chapters is not None else gr.skip())
-        text = gr.update(value=up.text[0], interactive=up.text[1]) if up.text is not None else gr.skip()
+        if up.text is None:
+            text = gr.skip()
+        elif up.text[0] is None:
+            text = gr.update(interactive=up.text[1])
+        else:
+            text = gr.update(value=up.text[0], interactive=up.text[1])
         figures = up.figures or (gr.skip(), gr.skip(), gr.skip())
         if up.controls is not None:
             c = up.controls
@@ -641,6 +650,10 @@ def _queue_handler(h: Handlers, mode: str) -> Callable[..., str]:
 
 
 WRITE_POLL_OUTPUTS = 17
+# The Write tab's polls send a digest of the chapter text the page holds, not the text (app.live).
+DIGEST = re.compile(r"\d+:[0-9a-f]{1,8}")
+TICK_JS = f"(view, cache, remembered, key, text) => [view, cache, remembered, key, ({live.DIGEST_JS})(text)]"
+REFRESH_JS = f"(view, cache, text) => [view, cache, ({live.DIGEST_JS})(text)]"
 COMPARE_POLL_OUTPUTS = 9
 
 
@@ -861,7 +874,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         quiet = {"show_progress": "hidden"}
 
         def then_refresh(event: Any) -> Any:
-            return event.then(h.refresh, [view, cache], write_poll_outs, api_visibility="private", **quiet)
+            return event.then(h.refresh, [view, cache, chapter_text], write_poll_outs, api_visibility="private",
+                              js=REFRESH_JS, **quiet)
 
         def then_drive(event: Any) -> Any:
             # ZeroGPU only: run the queue in GPU chunks inside a request. Elsewhere the worker thread does it.
@@ -870,7 +884,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
             return event.then(h.drive, None, None, api_visibility="private", **quiet)
 
         # The polls first: follow-up refreshes below reuse their functions, and the first registration gets the name.
-        timer.tick(h.tick, [view, cache, remembered, key], write_poll_outs, api_name="refresh", concurrency_limit=8,
+        timer.tick(h.tick, [view, cache, remembered, key, chapter_text], write_poll_outs, api_name="refresh",
+                   js=TICK_JS, concurrency_limit=8,
                    concurrency_id="poll", **quiet)
         compare_timer.tick(h.tick_compare, [view, cache, remembered, key], cmp_poll_outs, api_name="refresh_compare",
                            concurrency_limit=8, concurrency_id="poll", **quiet)

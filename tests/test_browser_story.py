@@ -17,7 +17,7 @@ from test_browser import TIMEOUT_MS, browser, expect, open_accordion, shot  # no
 from test_browser_writers import open_options
 
 import storage
-from app.live import RESEND_S
+from app.live import DIGEST_JS, RESEND_S, text_digest
 from conftest import studio_server
 
 pytestmark = pytest.mark.slow
@@ -32,6 +32,19 @@ def studio(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 def chapter_texts(page) -> list[str]:
     return page.locator("#chapter-list label").all_inner_texts()
+
+
+def set_number(page, selector: str, value: str) -> None:
+    """Type into a number field until it holds `value` a moment later: an accordion opened for the first time mounts
+    its fields as it opens, and a value typed into the first mount is lost."""
+    field = page.locator(selector)
+    for _ in range(10):
+        field.fill(value)
+        field.press("Tab")
+        time.sleep(0.3)
+        if field.input_value() == value:
+            return
+    raise AssertionError(f"{selector} does not keep {value!r}")
 
 
 def test_a_short_novel_with_summaries_reload_restore_and_export(browser, studio, tmp_path):  # noqa: F811
@@ -69,8 +82,7 @@ def test_a_short_novel_with_summaries_reload_restore_and_export(browser, studio,
 
         # Three chapters, each summarized by the model when its run ends.
         open_accordion(page, "write-settings", "Generation settings")
-        page.locator("#write-max_new_tokens input").fill("40")
-        page.locator("#write-max_new_tokens input").press("Tab")
+        set_number(page, "#write-max_new_tokens input", "40")
         open_accordion(page, "summary-box", "Summary (story so far)")
         summary = page.locator("#chapter-summary textarea")
         for number in (1, 2, 3):
@@ -98,8 +110,20 @@ def test_a_short_novel_with_summaries_reload_restore_and_export(browser, studio,
         # A hand edit, undone through the revisions.
         text = page.locator("#chapter-text textarea")
         written = text.input_value()
-        time.sleep(RESEND_S + 1)  # a writer's pace (see test_browser_writers)
+        # The page's digest of its text is the server's (app.live.DIGEST_JS and text_digest), surrogates included.
+        sample = written[:200] + " «é» 🌊\n"
+        assert page.evaluate(DIGEST_JS, sample) == text_digest(sample)
+        # Typing a second after the chapter opened, while the poll still resends what changed: never replaced.
+        # (A poll already on its way when the first key is pressed can still land after it: a window of one round
+        # trip, not of RESEND_S.)
+        page.locator("#chapter-list label").nth(1).click()
+        expect(page.locator("#run-status")).to_contain_text("tokens", timeout=TIMEOUT_MS)
+        page.locator("#chapter-list label").nth(2).click()
+        expect(text).to_have_value(written, timeout=TIMEOUT_MS)
+        time.sleep(1.2)
         text.fill("The keeper burned the letter.")
+        time.sleep(RESEND_S + 1.5)  # several polls, the resend window included
+        assert text.input_value() == "The keeper burned the letter."
         page.locator("#save-chapter:not([disabled])").click()
         page.get_by_text("Saved.").first.wait_for()
         page.locator("#revisions").get_by_text("Revisions", exact=True).first.click()
