@@ -152,8 +152,9 @@ def memory_floor(model: Transformer, rows: list[dict[str, Any]], mode: str, cont
         b = step_bytes(model, L)
         floor_ms = 1000 * b / bandwidth
         one = next((r["ms"] for r in rows if (r["mode"], r["context"], r["n"]) == (mode, L, 1)), None)
-        out.append({"context": L, "mb": round(b / 1e6, 1), "floor_ms": round(floor_ms, 2),
-                    "achieved": round(floor_ms / one, 2) if one else None})
+        # Three significant digits: a tiny model's floor is a small fraction of its step, and must not round to 0.
+        out.append({"context": L, "mb": round(b / 1e6, 1), "floor_ms": float(f"{floor_ms:.3g}"),
+                    "achieved": float(f"{floor_ms / one:.3g}") if one else None})
     return out
 
 
