@@ -255,9 +255,7 @@ def queue_outline(db: st.Database, project_id: int, n_chapters: int, settings: M
             or not 1 <= n_chapters <= MAX_OUTLINE_CHAPTERS:
         raise ValueError(f"An outline has from 1 to {MAX_OUTLINE_CHAPTERS} chapters, got {n_chapters!r}.")
     project = st.get_project(db, project_id, owner)
-    if any(r.mode == "outline" and r.project_id == project_id for r in st.active_runs(db)):
-        raise ValueError("An outline for this project is already being written.")
     normalized = _memory_settings(settings or project.settings, OUTLINE_TOKENS, context)
-    return st.enqueue_run(db, mode="outline", method="tokenswift", model=model, settings=normalized,
-                          prompt=outline_prompt(project, int(n_chapters)), heads=heads, project_id=project_id,
-                          owner=owner, max_queued=max_queued)
+    return st.queue_outline(db, project_id, model=model, settings=normalized,
+                            prompt=outline_prompt(project, int(n_chapters)), heads=heads, owner=owner,
+                            max_queued=max_queued)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from core.generation.text import encode_prompt
+from storage.story import keywords_of
 
 PROMPT_MARGIN = 64  # tokens kept free besides the prompt and the output (TokenSwift's verification block, slack)
 TRIM_MARKER = "[… earlier text left out …] "
@@ -95,7 +96,7 @@ def applicable_lore(lore: Sequence[LoreLike], scan: str) -> list[LoreLike]:
     """The entries (in their order) with a keyword in `scan`: whole words or phrases, any case."""
     found = []
     for entry in lore:
-        words = [w.strip() for w in entry.keywords.split(",") if w.strip()]
+        words = keywords_of(entry.keywords)
         if any(re.search(rf"(?<!\w){re.escape(w)}(?!\w)", scan, re.IGNORECASE) for w in words):
             found.append(entry)
     return found
@@ -214,12 +215,14 @@ def _select(block_tokens: list[int], line_tokens: list[int], room: int) -> tuple
     newest summaries kept within SUMMARY_SHARE of `room`, with `start` as small as `room` allows."""
     share = int(max(room, 0) * SUMMARY_SHARE)
     best = (len(block_tokens), len(block_tokens), 0)
+    whole = 0  # tokens of the chapters [start:]
     for start in range(len(block_tokens), -1, -1):
+        whole += block_tokens[start] if start < len(block_tokens) else 0
         first, total = start, 0
         while first > 0 and total + line_tokens[first - 1] <= share:
             first -= 1
             total += line_tokens[first]
-        cost = sum(block_tokens[start:]) + total
+        cost = whole + total
         if cost > room:
             break
         best = (start, first, cost)

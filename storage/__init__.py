@@ -25,7 +25,7 @@ from .queries import (
 )
 from .snapshot import import_project, project_snapshot
 from .story import (
-    apply_outline, keywords_of, latest_outline_run, list_lore, queue_summary, set_lore, set_summary, summary_run,
+    apply_outline, keywords_of, latest_outline_run, list_lore, queue_outline, queue_summary, set_lore, set_summary, summary_run,
 )
 
 __all__ = [
@@ -39,6 +39,6 @@ __all__ = [
     "list_comparisons", "list_projects", "list_revisions", "list_runs", "mark_interrupted", "move_chapter",
     "queue_position", "rename_project", "request_cancel", "restore_revision", "set_chapter_text", "set_worker_state",
     "settle_comparison", "start_chapter_run", "transfer_projects", "update_chapter", "update_project",
-    "import_project", "project_snapshot", "apply_outline", "keywords_of", "latest_outline_run", "list_lore", "queue_summary", "set_lore",
+    "import_project", "project_snapshot", "apply_outline", "keywords_of", "latest_outline_run", "list_lore", "queue_outline", "queue_summary", "set_lore",
     "set_summary", "summary_run",
 ]

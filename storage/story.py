@@ -18,7 +18,7 @@ from .db import Database
 from .errors import ValidationError
 from .models import ACTIVE_STATUSES, Chapter, LoreEntry, Project, Run
 from .queries import (
-    MAX_INSTRUCTIONS, MAX_TITLE, _check_queue, _choice, _owned, _owner_of, _settings, _text,
+    MAX_INSTRUCTIONS, MAX_PROMPT, MAX_TITLE, _check_queue, _choice, _owned, _owner_of, _settings, _text,
 )
 
 MAX_SUMMARY = 20_000
@@ -75,6 +75,25 @@ def queue_summary(db: Database, chapter_id: int, *, model: str, settings: Mappin
         _check_queue(s, writer, 1, max_queued)
         run = Run(owner=writer, mode="summary", method=method, model=model, heads=heads, settings=settings,
                   project_id=chapter.project_id, summary_of=chapter_id)
+        s.add(run)
+    return run
+
+
+def queue_outline(db: Database, project_id: int, *, model: str, settings: Mapping[str, Any], prompt: str,
+                  heads: str | None = None, owner: str | None = None, max_queued: int | None = None) -> Run:
+    """Queue a run that proposes an outline of the project (`prompt`: app.prompting's). Refused while another
+    outline of it is queued or running, or when its writer already has ``max_queued`` runs waiting."""
+    _text(model, "model name", 500, required=True)
+    settings = _settings(settings)
+    _text(prompt, "prompt", MAX_PROMPT, required=True)
+    with db.write() as s:
+        project = _owned(s, Project, project_id, owner, lock=True)
+        if s.scalar(select(Run.id).where(Run.project_id == project_id, Run.mode == "outline",
+                                         Run.status.in_(ACTIVE_STATUSES)).limit(1)):
+            raise ValidationError("An outline for this project is already being written.")
+        _check_queue(s, project.owner, 1, max_queued)
+        run = Run(owner=project.owner, mode="outline", method="tokenswift", model=model, heads=heads,
+                  settings=settings, prompt=prompt, project_id=project_id)
         s.add(run)
     return run
 

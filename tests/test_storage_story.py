@@ -186,3 +186,21 @@ def test_a_bad_project_file_is_refused_and_adds_nothing(db, book, change, messag
     assert st.list_projects(db, B) == []
     with pytest.raises(st.ValidationError, match="JSON object"):
         st.import_project(db, [1, 2], owner=B)
+
+
+def test_one_outline_at_a_time_per_project(db, book):
+    project, *_ = book
+    run = st.queue_outline(db, project.id, model=MODEL, settings=SETTINGS, prompt="Plan it.", owner=A)
+    assert (run.mode, run.project_id, run.chapter_id, run.owner, run.prompt) == ("outline", project.id, None, A,
+                                                                               "Plan it.")
+    with pytest.raises(st.ValidationError, match="already being written"):
+        st.queue_outline(db, project.id, model=MODEL, settings=SETTINGS, prompt="Again.", owner=A)
+    with pytest.raises(st.NotFoundError):
+        st.queue_outline(db, project.id, model=MODEL, settings=SETTINGS, prompt="Stolen.", owner=B)
+    st.request_cancel(db, run.id, A)
+    st.add_chapter(db, project.id, owner=A)
+    st.start_chapter_run(db, st.list_chapters(db, project.id, owner=A)[-1].id, "generate", method="ar", model=MODEL,
+                         settings=SETTINGS, owner=A)
+    with pytest.raises(st.ValidationError, match="waiting in the queue"):
+        st.queue_outline(db, project.id, model=MODEL, settings=SETTINGS, prompt="Plan it.", owner=A, max_queued=1)
+    assert st.queue_outline(db, project.id, model=MODEL, settings=SETTINGS, prompt="Plan it.", owner=A).id != run.id
