@@ -327,7 +327,9 @@ def _poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache
     ar, ts = runs["Vanilla"], runs["TokenSwift"]
     up.active = any(r is not None and r.status in views.ACTIVE for r in runs.values())
     first_sight = "cmp-listing" not in cache.keys  # the past-comparisons table was filled when the page loaded
-    listing = (tuple(r.status if r else None for r in runs.values()), comparison.tokens_match if comparison else None)
+    # the verdict includes where the runs differ and the gap there, which the worker stores just after settling
+    listing = (tuple(r.status if r else None for r in runs.values()),
+               (comparison.tokens_match, bool(comparison.divergence)) if comparison else None)
     up.listing_changed = cache.due("cmp-listing", listing, now) and not first_sight
 
     n_steps = []

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from core.generation.agreement import format_gap
+
 METHOD_LABELS = {"tokenswift": "TokenSwift", "ar": "Vanilla"}
 MODE_LABELS = {"generate": "Generate", "continue": "Continue", "regenerate": "Regenerate", "resume": "Resume",
                "compare": "Compare", "summary": "Summary", "outline": "Outline"}
@@ -286,8 +288,8 @@ def compare_summary(comparison: Any | None, ar: Any | None, ts: Any | None,
     if comparison.tokens_match is True:
         same = tile("Identical tokens", "✓ yes", "lossless: the same token ids", "good")
     elif comparison.tokens_match is False:
-        same = tile("Identical tokens", "✗ no", f"first differ at token {fmt_int(comparison.first_divergence)}",
-                    "bad")
+        same = tile("Identical tokens", "✗ no", f"first differ at token {fmt_int(comparison.first_divergence)}"
+                    + (f" · top-2 gap {esc(gap)}" if (gap := divergence_gap(comparison)) else ""), "bad")
     else:
         same = tile("Identical tokens", "…", "known when both runs are done")
     ar_per = ar_steps if ar_steps is not None else (ar.mean_accepted if ar else None)
@@ -301,6 +303,13 @@ def compare_summary(comparison: Any | None, ar: Any | None, ts: Any | None,
         same,
     ]
     return f'<div class="tiles">{"".join(tiles)}</div>'
+
+
+def divergence_gap(comparison: Any) -> str | None:
+    """The top-2 gap of vanilla decoding's draw where a comparison's runs first differ, as written (None until the
+    worker has stored it, and for comparisons made before it did)."""
+    found = getattr(comparison, "divergence", None) or {}
+    return format_gap(found["gap"]) if "gap" in found else None
 
 
 def compare_run_line(label: str, run: Any | None, position: int | None = None) -> str:
@@ -330,7 +339,9 @@ def comparisons_table(comparisons: Iterable[Any], runs: Mapping[int, Any]) -> li
     for c in comparisons:
         ar, ts = runs.get(c.ar_run_id), runs.get(c.tokenswift_run_id)
         x = speedup(ar, ts)
-        same = {True: "yes", False: f"no (token {c.first_divergence})", None: "…"}[c.tokens_match]
+        gap = divergence_gap(c) if c.tokens_match is False else None
+        same = {True: "yes", False: f"no (token {c.first_divergence}" + (f", gap {gap})" if gap else ")"),
+                None: "…"}[c.tokens_match]
         rows.append([c.id, when(c.created_at), short(c.prompt, 60), ts.n_tokens if ts else None,
                      round(ar.tokens_per_s, 1) if ar and ar.tokens_per_s else None,
                      round(ts.tokens_per_s, 1) if ts and ts.tokens_per_s else None,

@@ -421,6 +421,8 @@ class Worker:
                 return self._finish(run, "failed", describe_error(e))
             if outcome.status == "done" and run.chapter_id is not None and run.mode in CHAPTER_MODES:
                 self._queue_summary(run)
+            if outcome.status == "done" and run.comparison_id is not None:
+                self._explain_divergence(run.comparison_id)
             return outcome
         finally:
             self._set_state("ready", self._message("Idle."))
@@ -435,6 +437,35 @@ class Worker:
             return
         if summary is not None:
             log.info("run %s: summary run %s queued for chapter %s", run.id, summary.id, run.chapter_id)
+
+    def _explain_divergence(self, comparison_id: int) -> None:
+        """After a comparison is settled with runs that differ: vanilla decoding's draw where they first differ
+        (the top-2 gap there, core/generation/divergence.py), recomputed once with this engine and stored. From the
+        vanilla run's prompt and settings, whichever run finished last. A failure is logged and leaves it unstored:
+        the comparison's verdict stands without it."""
+        try:
+            comparison = st.get_comparison(self.db, comparison_id)
+            if comparison.tokens_match is not False or comparison.divergence:
+                return  # identical, not settled yet (the other run's worker will do it), or done already
+            assert self.engine is not None and comparison.ar_run_id and comparison.tokenswift_run_id
+            from core.generation.divergence import explain_divergence
+            from core.generation.text import encode_prompt
+
+            ar = st.get_run(self.db, comparison.ar_run_id)
+            config = generation_config(validate_settings(user_settings(ar.settings), context=self.engine.max_context),
+                                       "ar")
+            prompt_ids = encode_prompt(self.engine.tokenizer, ar.prompt or comparison.prompt)
+            ar_ids = st.get_run_token_ids(self.db, ar.id)
+            ts_ids = st.get_run_token_ids(self.db, comparison.tokenswift_run_id)
+            self._set_state("ready", self._message(f"Finding where comparison {comparison_id}'s runs differ."))
+            with _Ticker(self._refresh_state, HEARTBEAT_S, name=f"divergence-{comparison_id}"):  # a long prefill
+                found = explain_divergence(self.engine, prompt_ids, config, ar_ids, ts_ids)
+            if found is not None:
+                st.set_comparison_divergence(self.db, comparison_id, found.to_dict())
+                log.info("comparison %s: runs differ at token %s, top-2 gap %s", comparison_id, found.position,
+                         found.gap)
+        except Exception:
+            log.exception("comparison %s: where its runs differ could not be recomputed", comparison_id)
 
     def _finish(self, run: st.Run, status: str, error: str | None = None, **timings: float) -> Outcome:
         try:

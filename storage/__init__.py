@@ -20,8 +20,8 @@ from .queries import (
     get_comparison, get_project, get_revision, get_run, get_run_token_ids, get_steps, get_worker_states,
     is_cancel_requested, latest_run_for_chapter, list_chapters, list_comparisons, list_projects, list_revisions,
     list_runs, mark_interrupted, move_chapter, queue_position, rename_project, request_cancel, restore_revision,
-    set_chapter_text, set_run_prompt, set_worker_state, settle_comparison, start_chapter_run, transfer_projects,
-    update_chapter, update_project,
+    set_chapter_text, set_comparison_divergence, set_run_prompt, set_worker_state, settle_comparison,
+    start_chapter_run, transfer_projects, update_chapter, update_project,
 )
 from .snapshot import import_project, project_snapshot
 from .story import (
@@ -37,7 +37,8 @@ __all__ = [
     "first_divergence", "get_chapter", "get_comparison", "get_project", "get_revision", "get_run", "get_run_token_ids",
     "get_steps", "get_worker_states", "is_cancel_requested", "latest_run_for_chapter", "list_chapters",
     "list_comparisons", "list_projects", "list_revisions", "list_runs", "mark_interrupted", "move_chapter",
-    "queue_position", "rename_project", "request_cancel", "restore_revision", "set_chapter_text", "set_worker_state",
+    "queue_position", "rename_project", "request_cancel", "restore_revision", "set_chapter_text",
+    "set_comparison_divergence", "set_worker_state",
     "settle_comparison", "start_chapter_run", "transfer_projects", "update_chapter", "update_project",
     "import_project", "project_snapshot", "apply_outline", "keywords_of", "latest_outline_run", "list_lore", "queue_outline", "queue_summary", "set_lore",
     "set_summary", "summary_run",

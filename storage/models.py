@@ -163,6 +163,9 @@ class Comparison(Base):
     tokenswift_run_id: Mapped[int | None]
     tokens_match: Mapped[bool | None]
     first_divergence: Mapped[int | None]  # first differing token index (or the shorter length)
+    # Where the runs differ, vanilla decoding's draw there as the worker recomputed it (core/generation/divergence.py:
+    # position, both tokens, top-1 / top-2 and their gap, the raw logits' gap); {} until then, or if it failed.
+    divergence: Mapped[dict[str, Any] | None] = mapped_column(JSONDict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -739,6 +739,21 @@ def settle_comparison(db: Database, comparison_id: int) -> Comparison:
     return comparison
 
 
+def set_comparison_divergence(db: Database, comparison_id: int, divergence: Mapping[str, Any]) -> Comparison:
+    """Store the worker's account of where a settled comparison's runs part (its ``position`` must be the
+    comparison's first divergence); a comparison whose runs match, or are not both done, is returned unchanged."""
+    record = _settings(divergence)
+    with db.write() as s:
+        comparison = _get(s, Comparison, comparison_id, lock=True)
+        if comparison.tokens_match is not False:
+            return comparison
+        if record.get("position") != comparison.first_divergence:
+            raise ValidationError(f"The divergence at token {record.get('position')} is not where comparison "
+                                  f"{comparison_id}'s runs first differ (token {comparison.first_divergence}).")
+        comparison.divergence = record
+    return comparison
+
+
 # -- worker state ----------------------------------------------------------------------
 
 def set_worker_state(db: Database, worker_id: str, state: str, message: str = "", model: str | None = None,

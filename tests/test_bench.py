@@ -62,6 +62,44 @@ def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
     assert engine.heads is not None and engine.options.ngram_topk > 0 and engine.options.root_head, "engine untouched"
 
 
+def test_a_diverging_run_reports_where_and_the_gap_there(tiny_model_dir: Path) -> None:
+    """Records of real runs, one of which is made to differ from vanilla decoding's at a known token: its rows carry
+    the recomputed draw there and the table says where and the gap; the identical ones still say "yes"."""
+    from core.engine import Engine
+    from core.generation.agreement import format_gap
+    from core.generation.divergence import explain_divergence
+    from core.generation.sampling import PRESETS
+    from core.tools.bench import explain_runs, markdown, run_config, run_ours, summarize
+
+    engine = Engine.load(str(tiny_model_dir), heads=None, device="cpu")
+    prompt = torch.randint(3, 49152, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    sampling = PRESETS["studio"].with_(seed=9)
+    methods = ["ar", "tokenswift", "tokenswift-separate"]
+    runs = [run_ours(engine, m, prompt, 40, sampling) for m in methods]
+    ar, ts, separate = runs
+    assert ts.token_ids == separate.token_ids == ar.token_ids
+    ts.token_ids[23] = (ar.token_ids[23] + 1) % 49152  # TokenSwift's record differs from token 23 on
+    divergences = explain_runs(engine, runs, [prompt], 40, sampling)
+    found = explain_divergence(engine, prompt, run_config("ar", 40, sampling), ar.token_ids, ts.token_ids)
+    assert divergences == {("tokenswift", 0, 0): found}
+    assert (found.position, found.vanilla_token, found.tokenswift_token, found.top1) == (
+        23, ar.token_ids[23], ts.token_ids[23], ar.token_ids[23])  # the top-1 there is vanilla decoding's draw
+
+    rows = {(r["method"], r["length"]): r for r in summarize(runs, methods, [16, 40], divergences)}
+    for key in (("tokenswift", 16), ("tokenswift-separate", 16), ("tokenswift-separate", 40)):
+        assert rows[key]["ids_equal_ar"] is True and rows[key]["first_divergence"] == [] and "divergences" not in rows[key]
+    diverged = rows[("tokenswift", 40)]
+    assert diverged["ids_equal_ar"] is False and diverged["first_divergence"] == [23]
+    assert diverged["divergences"] == [{"prompt": 0, "repeat": 0, **found.to_dict()}]
+    cells = {(line.split(" | ")[0][2:], line.split(" | ")[1]): line.rsplit(" | ", 1)[1][:-2]
+             for line in markdown(list(rows.values())).splitlines()[2:]}
+    assert cells[("40", "tokenswift")] == f"NO, from 23 (gap {format_gap(found.gap)})"
+    assert cells[("16", "tokenswift")] == cells[("40", "tokenswift-separate")] == "yes"
+    # a run saved before gaps were recorded reads as it did
+    old = {k: v for k, v in diverged.items() if k != "divergences"}
+    assert markdown([old]).splitlines()[2].endswith("| NO, from [23] |")
+
+
 def test_a_variants_larger_tree_gets_its_graph_compiled(tmp_path: Path) -> None:
     from core.engine import Engine
     from core.runtime.loading import load_model

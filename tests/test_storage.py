@@ -321,6 +321,25 @@ def test_comparison_settles(db, ar_ids, ts_ids, match, divergence):
     assert [x.id for x in st.list_comparisons(db)] == [c.id]
 
 
+def test_a_settled_comparisons_divergence_is_stored_where_its_runs_differ(db):
+    found = {"position": 1, "vanilla_token": 2, "tokenswift_token": 9, "top1": 2, "top2": 9, "gap": 3.1e-06,
+             "logit_gap": 0.5}
+    same = st.create_comparison(db, "p", model="m")
+    _play(db, same, [1, 2, 3], [1, 2, 3])
+    assert st.set_comparison_divergence(db, same.id, found).divergence == {}  # identical runs: nothing to store
+    c = st.create_comparison(db, "p", model="m")
+    st.set_comparison_divergence(db, c.id, found)  # not settled yet: left alone
+    assert st.get_comparison(db, c.id).divergence == {}
+    assert _play(db, c, [1, 2, 3], [1, 9, 3]).divergence == {}  # settled; the worker adds the divergence after
+    with pytest.raises(st.ValidationError, match="not where comparison"):
+        st.set_comparison_divergence(db, c.id, {**found, "position": 2})
+    with pytest.raises(st.ValidationError, match="JSON"):
+        st.set_comparison_divergence(db, c.id, {**found, "gap": float("inf")})
+    st.set_comparison_divergence(db, c.id, found)
+    assert st.get_comparison(db, c.id).divergence == found
+    assert [x.divergence for x in st.list_comparisons(db)] == [found, {}]
+
+
 def test_comparison_with_failed_run_stays_unsettled(db):
     c = st.create_comparison(db, "p", model="m")
     st.claim_next_run(db, "w")

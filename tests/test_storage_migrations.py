@@ -124,3 +124,29 @@ def test_a_single_user_database_upgrades_with_its_projects_intact(url):
         assert st.get_run_token_ids(db, 9) == [1, 2]
         assert [c.id for c in st.list_comparisons(db, owner=st.LOCAL_OWNER)] == [5]
         assert st.list_projects(db, "hf:someone") == []
+
+
+def test_comparisons_made_before_divergences_were_stored_upgrade_and_downgrade(url):
+    """Schema 0005 adds where a comparison's runs differ (comparisons.divergence): an older comparison reads with
+    none, gets one stored, and keeps its verdict when the column goes again."""
+    found = {"position": 4, "vanilla_token": 7, "tokenswift_token": 8, "top1": 7, "top2": None, "gap": None,
+             "logit_gap": 1.5}
+    with st.open_database(url) as db:
+        db.downgrade("0004")
+        assert "divergence" not in {c["name"] for c in sa.inspect(db.engine).get_columns("comparisons")}
+        with db.engine.begin() as conn:
+            conn.exec_driver_sql("INSERT INTO comparisons (id, prompt, settings, ar_run_id, tokenswift_run_id, "
+                                 "tokens_match, first_divergence, created_at) "
+                                 "VALUES (5, 'p', '{}', 1, 2, FALSE, 4, '2026-01-01')")
+    with st.open_database(url) as db:
+        assert db.current_revision() == HEAD and schema_diff(db) == []
+        old = st.get_comparison(db, 5)
+        assert (old.tokens_match, old.first_divergence, old.divergence) == (False, 4, {})
+        assert st.set_comparison_divergence(db, 5, found).divergence == found
+        assert st.get_comparison(db, 5).divergence == found
+        db.downgrade("0004")
+        assert "divergence" not in {c["name"] for c in sa.inspect(db.engine).get_columns("comparisons")}
+        with db.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT tokens_match, first_divergence FROM comparisons").all() == [(False, 4)]
+        db.upgrade()
+        assert st.get_comparison(db, 5).divergence == {}

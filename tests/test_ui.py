@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 import gradio as gr
 import pytest
@@ -318,6 +319,28 @@ def test_compare_flow_and_history(h, db):
     assert metrics["steps"] == 4 and metrics["speedup"] == pytest.approx(2.0) and "TokenSwift" in summary
     assert metrics["tokens_per_step"] == pytest.approx(2.0)
     assert len(figures) == 3
+
+
+def test_the_gap_where_a_comparisons_runs_differ_reaches_the_open_compare_tab(h, db):
+    """The worker stores the gap just after the verdict: the next poll shows it in the tile and the table."""
+    view, cache = View(), LiveCache()
+    h.start_comparison(view, "A prompt", max_new_tokens=16, seed=5)
+    live.poll_compare(db, view.compare_id, cache)
+    worker = FakeWorker(db)
+    for n_steps in (8, 3):  # vanilla writes ids 0..7, TokenSwift 0..5: they part at token 6
+        run = worker.claim()
+        worker.write(run.id, "Text.", 0, n_steps, tokens_per_step=1 if n_steps == 8 else 2)
+        storage.finish_run(db, run.id, "done", decode_s=1.0)
+    up = live.poll_compare(db, view.compare_id, cache)
+    assert "first differ at token 6</div>" in up.summary_html and up.listing_changed
+    storage.set_comparison_divergence(db, view.compare_id, {
+        "position": 6, "vanilla_token": 6, "tokenswift_token": None, "top1": 6, "top2": 40, "gap": 3.14e-06,
+        "logit_gap": 0.5})
+    up = live.poll_compare(db, view.compare_id, cache)
+    assert "first differ at token 6 · top-2 gap 3.1e-06</div>" in up.summary_html and up.listing_changed
+    assert h.comparisons_table(view)["value"][0][-1] == "no (token 6, gap 3.1e-06)"
+    one = SimpleNamespace(tokens_match=False, first_divergence=2, divergence={"position": 2, "gap": None})
+    assert "first differ at token 2 · top-2 gap ∞</div>" in views.compare_summary(one, None, None)
 
 
 def test_views_escape_user_and_model_text():

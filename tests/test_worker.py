@@ -7,6 +7,7 @@ a failed model load, worker states and notices, and flagging abandoned runs at s
 """
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 
@@ -188,7 +189,72 @@ def test_comparison_runs_match(db, tiny_engine):
     for run_id in (comparison.ar_run_id, comparison.tokenswift_run_id):
         run, _, _ = assert_consistent(db, tiny_engine, run_id)
         assert run.status == "done" and run.prompt == "Tell me about the sea."
-    assert comparison.tokens_match is True and comparison.first_divergence is None
+    assert comparison.tokens_match is True and comparison.first_divergence is None and comparison.divergence == {}
+
+
+def _diverging_comparison(db, engine, settings):
+    """A comparison whose TokenSwift run is queued with another seed than its vanilla run, so its ids differ."""
+    comparison = queue_comparison(db, "Tell me about the sea.", settings, model=engine.loaded.name)
+    ts = st.get_run(db, comparison.tokenswift_run_id)
+    with db.write() as s:
+        s.execute(sa.update(st.Run).where(st.Run.id == ts.id).values(settings={**ts.settings, "seed": 4}))
+    return comparison
+
+
+def test_comparison_runs_that_differ_get_the_gap_where_they_do(db, tiny_engine):
+    """The vanilla run's stored token 17 is changed after it finished, before the TokenSwift run is generated and
+    the comparison settled: the worker's finalisation finds the runs differ there and stores vanilla decoding's draw
+    at 17, recomputed from the vanilla run's prompt, settings and the ids before 17: TokenSwift's token."""
+    from app import views
+    from core.generation.agreement import format_gap
+    from core.generation.divergence import explain_divergence
+    from core.generation.text import encode_prompt
+
+    settings = {"max_new_tokens": 40, "seed": 3, "ignore_eos": True}
+    comparison = queue_comparison(db, "Tell me about the sea.", settings, model=tiny_engine.loaded.name)
+    w = worker(db, tiny_engine)
+    assert w.process_one()  # the vanilla run
+    ar_ids = st.get_run_token_ids(db, comparison.ar_run_id)
+    ar_ids[17] = (ar_ids[17] + 1) % tiny_engine.model.cfg.vocab_size
+    with db.write() as s:
+        s.execute(sa.update(st.Run).where(st.Run.id == comparison.ar_run_id).values(token_ids=json.dumps(ar_ids)))
+    assert st.get_comparison(db, comparison.id).tokens_match is None
+    assert w.process_one() and not w.process_one()  # the TokenSwift run, then the comparison is settled
+    comparison = st.get_comparison(db, comparison.id)
+    ar, ts = st.get_run(db, comparison.ar_run_id), st.get_run(db, comparison.tokenswift_run_id)
+    ts_ids = st.get_run_token_ids(db, ts.id)
+    assert ar.status == ts.status == "done" and len(ts_ids) == 40 and ts_ids[:17] == ar_ids[:17]
+    assert comparison.tokens_match is False and comparison.first_divergence == 17
+    config = generation_config(validate_settings(settings, tiny_engine.max_context), "ar")
+    found = explain_divergence(tiny_engine, encode_prompt(tiny_engine.tokenizer, "Tell me about the sea."), config,
+                               ar_ids, ts_ids)
+    assert comparison.divergence == found.to_dict()
+    assert (found.position, found.vanilla_token, found.tokenswift_token, found.top1) == (17, ar_ids[17], ts_ids[17],
+                                                                                       ts_ids[17])
+    html = views.compare_summary(comparison, ar, ts)
+    assert f"first differ at token 17 · top-2 gap {format_gap(found.gap)}</div>" in html
+    assert views.comparisons_table([comparison], {ar.id: ar, ts.id: ts})[0][-1] == (
+        f"no (token 17, gap {format_gap(found.gap)})")
+
+
+def test_a_gap_that_cannot_be_computed_leaves_the_comparison_settled(db, tiny_engine, monkeypatch, caplog):
+    from app import views
+    from core.generation import divergence
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no memory for the prefill")
+
+    monkeypatch.setattr(divergence, "explain_divergence", broken)
+    comparison = _diverging_comparison(db, tiny_engine, {"max_new_tokens": 40, "seed": 3})
+    w = worker(db, tiny_engine)
+    assert drain(w) == 2
+    comparison = st.get_comparison(db, comparison.id)
+    ar, ts = st.get_run(db, comparison.ar_run_id), st.get_run(db, comparison.tokenswift_run_id)
+    assert ar.status == ts.status == "done" and comparison.tokens_match is False and comparison.divergence == {}
+    assert "where its runs differ could not be recomputed" in caplog.text and "no memory for the prefill" in caplog.text
+    html = views.compare_summary(comparison, ar, ts)
+    assert f"first differ at token {comparison.first_divergence}</div>" in html and "gap" not in html
+    assert w.state[1].startswith("Idle.")
 
 
 def test_cancel_mid_run_keeps_the_text(db, book, tiny_engine):

@@ -30,7 +30,9 @@ import torch
 from tqdm import tqdm
 
 from core.engine import Engine
+from core.generation.agreement import first_divergence, format_gap
 from core.generation.decoding import GenerationConfig
+from core.generation.divergence import Divergence, explain_divergence
 from core.generation.metrics import distinct_n
 from core.generation.sampling import PRESETS
 from core.generation.text import encode_prompt
@@ -160,10 +162,15 @@ def method_engine(engine: Engine, method: str) -> Engine:
     return engine
 
 
+def run_config(method: str, length: int, sampling: Any) -> GenerationConfig:
+    """The generation config every run of ours gets: `length` tokens exactly (end-of-sequence suppressed)."""
+    return GenerationConfig(max_new_tokens=length, method="ar" if method == "ar" else "tokenswift",
+                            sampling=sampling, ignore_eos=True)
+
+
 def run_ours(engine: Engine, method: str, prompt_ids: list[int], length: int, sampling: Any) -> Run:
     engine = method_engine(engine, method)
-    config = GenerationConfig(max_new_tokens=length, method="ar" if method == "ar" else "tokenswift",
-                              sampling=sampling, ignore_eos=True)
+    config = run_config(method, length, sampling)
     times: list[float] = []
     step_tokens: list[int] = []
     step_ngram: list[int] = []
@@ -255,11 +262,39 @@ def run_hf(hf: Any, method: str, prompt_ids: list[int], length: int, sampling: A
     return Run(method, 0, 0, new, first - t0, times, peak_rss_mb=rss.peak / 2**20)
 
 
+def explain_runs(engine: Engine, runs: list[Run], prompt_ids: list[list[int]], length: int,
+                 sampling: Any) -> dict[tuple[str, int, int], Divergence]:
+    """For each TokenSwift run whose ids differ from vanilla decoding's on the same prompt and repeat, vanilla
+    decoding's draw where they first differ (core/generation/divergence.py), keyed by (method, prompt, repeat). One
+    prefill each, after the timed runs; a failure is said and leaves that run without one."""
+    ar = {(r.prompt, r.repeat): r for r in runs if r.method == "ar"}
+    out: dict[tuple[str, int, int], Divergence] = {}
+    for r in runs:
+        base = ar.get((r.prompt, r.repeat))
+        if not r.method.startswith("tokenswift") or base is None or first_divergence(base.token_ids, r.token_ids) is None:
+            continue
+        try:
+            found = explain_divergence(engine, prompt_ids[r.prompt], run_config("ar", length, sampling),
+                                       base.token_ids, r.token_ids)
+        except Exception as e:  # noqa: BLE001  (out of memory, a failed prefill: the figures are worth more)
+            print(f"note: {r.method}, prompt {r.prompt}: the draw where it differs could not be recomputed ({e})",
+                  file=sys.stderr)
+            continue
+        if found is not None:
+            out[(r.method, r.prompt, r.repeat)] = found
+    return out
+
+
 def distinct(tokens: list[int]) -> list[float]:
     return [round(distinct_n(tokens, n), 4) for n in (1, 2, 3, 4)]
 
 
-def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[dict[str, Any]]:
+def summarize(runs: list[Run], methods: list[str], lengths: list[int],
+              divergences: dict[tuple[str, int, int], Divergence] | None = None) -> list[dict[str, Any]]:
+    """One row of figures per (length, method). A TokenSwift row says whether its ids equal vanilla decoding's up to
+    the length (`ids_equal_ar`), where they first differ per prompt (`first_divergence`) and, from `divergences`
+    (explain_runs), vanilla decoding's draw there: its top-2 gap and the rest (`divergences`)."""
+    divergences = divergences or {}
     rows = []
     by = {(r.method, r.prompt, r.repeat): r for r in runs}
     pairs = sorted({(r.prompt, r.repeat) for r in runs})
@@ -295,12 +330,19 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int]) -> list[d
                            alpha=round(acc / (GAMMA * steps), 3) if steps else None,
                            ngram_share=round(sum(g for _, _, g in st) / acc, 3) if acc else 0.0)
                 diffs = []
+                apart = []  # per diverging prompt: where, and vanilla decoding's draw there when recomputed
                 for p, k in pairs:
                     if (m, p, k) in by and ("ar", p, k) in by:
                         a, b = by[("ar", p, k)].token_ids[:L], by[(m, p, k)].token_ids[:L]
                         diffs.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+                        if diffs[-1] is not None:
+                            found = divergences.get((m, p, k))
+                            explained = found.to_dict() if found is not None and found.position == diffs[-1] else {}
+                            apart.append({"prompt": p, "repeat": k, "position": diffs[-1], **explained})
                 row["ids_equal_ar"] = all(d is None for d in diffs) if diffs else None
                 row["first_divergence"] = [d for d in diffs if d is not None]
+                if apart:
+                    row["divergences"] = apart
             rows.append(row)
     return rows
 
@@ -314,7 +356,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     (the JSON keeps every figure: α, prefill, distinct-n, peak RSS, ...)."""
     def ids(r: dict[str, Any]) -> str | None:
         eq = r.get("ids_equal_ar")
-        return None if eq is None else ("yes" if eq else f"NO, from {r['first_divergence']}")
+        if eq is None or eq:
+            return None if eq is None else "yes"
+        if "divergences" not in r:  # a run saved before the gap was recorded
+            return f"NO, from {r['first_divergence']}"
+        return "NO, from " + ", ".join(str(d["position"]) + (f" (gap {format_gap(d['gap'])})" if "gap" in d else "")
+                                       for d in r["divergences"])
 
     columns = [("length", lambda r: r["length"]), ("method", lambda r: r["method"]),
                ("decode tok/s", lambda r: r["decode_tok_s"]), ("vs ar", lambda r: r["speedup_vs_ar"]),
@@ -414,7 +461,7 @@ def run_bench(args: argparse.Namespace) -> int:
             runs.append(r)
             bar.update(1)
     bar.close()
-    rows = summarize(runs, methods, lengths)
+    rows = summarize(runs, methods, lengths, explain_runs(engine, runs, prompt_ids, longest, sampling))
     print(markdown(rows))
     report = {"settings": {"sampling": args.sampling, **sampling.to_dict(), "lengths": lengths, "methods": methods,
                            "prompts": len(prompts), "repeats": args.repeats, "model": engine.loaded.name,

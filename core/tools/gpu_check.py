@@ -6,10 +6,11 @@ checkpoints' shapes, core/tools/random_model.py) and writes one JSON file. `make
    a Llama-3.1-8B-shaped model in bf16, and c(n) = t(n) / t(1): what verifying a tree of n nodes costs.
 2. **Compare**: vanilla decoding against TokenSwift (fused and the paper's separate draft mode, random heads) on a
    Qwen2.5-1.5B-shaped model after 2K and 20K tokens of context: decode tokens/s, tokens per step, and whether the
-   ids are identical (where they first differ if not).
+   ids are identical (if not: where they first differ, and vanilla decoding's draw there with its top-2 gap).
 3. **Exactness**: TokenSwift's ids against vanilla decoding's on CUDA. On a CPU our kernels make them equal by
    construction; on a GPU a tree's rows share matrix products that one-token steps do not, so bf16 rounding may
-   differ at a near-tie. This records, not asserts: identical or not, and where.
+   differ at a near-tie. This records, not asserts: identical or not, where, and how close a call vanilla
+   decoding's draw was there (core/generation/divergence.py).
 
 Random weights make the acceptance rates meaningless (random heads, near-uniform text); the timings and c(n) are
 what the check is for.
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 
 from core.engine import Engine
+from core.generation.agreement import first_divergence, format_gap
 from core.generation.decoding import GenerationConfig, Result
+from core.generation.divergence import explain_divergence
 from core.generation.sampling import PRESETS
 from core.tokenswift.options import TokenSwiftOptions
 from core.tools.random_model import parameter_count, random_engine
@@ -97,11 +100,27 @@ def cost_curve(engine: Engine, contexts: list[int], sizes: list[int], repeats: i
     return rows
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def ids_report(engine: Engine, prompt: list[int], config: GenerationConfig, ar: list[int],
+               ts: list[int]) -> dict[str, Any]:
+    """Whether TokenSwift's ids `ts` equal vanilla decoding's `ar`; if not, where they first differ and vanilla
+    decoding's draw there (position, both tokens, top-1 / top-2, their gap; None if it could not be recomputed)."""
+    where = first_divergence(ar, ts)
+    found = None
+    if where is not None:
+        try:
+            found = explain_divergence(engine, prompt, config, ar, ts)
+        except Exception as e:  # noqa: BLE001  (out of memory, a failed prefill: a record without it beats none)
+            print(f"  could not recompute the draw at token {where}: {type(e).__name__}: {e}", flush=True)
+    return {"identical": where is None, "first_divergence": where,
+            "divergence": found.to_dict() if found is not None else None}
+
+
+def said(report: dict[str, Any]) -> str:
+    """A report of ids_report in words: identical, or where they differ and the gap there."""
+    if report["identical"]:
+        return "identical"
+    found = report["divergence"]
+    return f"differs at {report['first_divergence']}" + (f", gap {format_gap(found['gap'])}" if found else "")
 
 
 def summary(result: Result) -> dict[str, Any]:
@@ -121,13 +140,12 @@ def compare(engine: Engine, context: int, new_tokens: int, presets: list[str]) -
         for name, options in VARIANTS.items():
             variant = Engine(engine.loaded, engine.heads, options)
             ts = variant.generate(prompt, replace(config, method="tokenswift")).run()
-            where = first_divergence(ar.token_ids, ts.token_ids)
             row[name] = {**summary(ts), "speedup": ts.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
-                         "identical": where is None, "first_divergence": where}
+                         **ids_report(engine, prompt, config, ar.token_ids, ts.token_ids)}
         rows.append(row)
         print(f"  context {context}, {preset}: ar {ar.tokens_per_s:.1f} tok/s; " + ", ".join(
             f"{name} {row[name]['tokens_per_s']:.1f} tok/s ({row[name]['tokens_per_step']:.2f}/step, "
-            f"{'identical' if row[name]['identical'] else 'differs at ' + str(row[name]['first_divergence'])})"
+            f"{said(row[name])})"
             for name in VARIANTS), flush=True)
     return rows
 
