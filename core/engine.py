@@ -34,6 +34,10 @@ METHODS: dict[str, Callable[[Engine, Generation], Iterator[Step]]] = {
     "tokenswift": tokenswift_steps,
 }
 
+# The format of a native model's drafting heads, by its lm_head's: the model's own, but a quantized model's heads are
+# q8_0 (DraftHeads.to_native says why).
+HEADS_FORMAT = {"f32": "f32", "bf16": "bf16"}
+
 
 def find_heads(loaded: LoadedModel, heads: str | Path | None) -> DraftHeads | None:
     """The drafting heads `Engine.load` names by `heads` ("default", None, a file, a checkpoint folder or hub id)."""
@@ -68,7 +72,7 @@ class Engine:
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
         if self.model.native:
             if heads is not None:
-                heads.to_native("f32" if self.model.lm_head.packed.fmt == "f32" else "q8_0")
+                heads.to_native(HEADS_FORMAT.get(self.model.lm_head.packed.fmt, "q8_0"))
             if compile:  # the native decoder is one call of our kernels: no graph would run it faster
                 self.notice("a CPU model runs on its native kernels; compiled graphs are for CUDA")
                 compile = False

@@ -16,7 +16,8 @@ from core.runtime.loading import load_model
 from core.runtime.weights import BLOCK, from_blocks, from_gguf_blocks, pack, quantize_q4_1, quantize_q8_0
 from core.tokenswift.tree import HEADS, TreeBuilder
 
-FORMATS = ("f32", "q8_0", "q4_1")
+FORMATS = ("f32", "bf16", "q8_0", "q4_1")
+WEIGHTS = ("fp32", "bf16", "q8", "q4")  # --weights choices that pack a checkpoint's matrices for the kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,10 +27,11 @@ def built() -> None:
 
 
 def reference_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    """float64 y = x W^T (+ b) with the kernel's arithmetic: for quantized weights the activations quantized per block
-    of 32 (d = max|x| / 127, q = round(x * 127 / max|x|), ties to even) and the blocks' exact integer dot products."""
+    """float64 y = x W^T (+ b) with the kernel's arithmetic: fp32 activations for fp32 and bf16 weights; for quantized
+    weights the activations quantized per block of 32 (d = max|x| / 127, q = round(x * 127 / max|x|), ties to even)
+    and the blocks' exact integer dot products."""
     wd = w.dequantize().double()
-    if w.fmt == "f32":
+    if w.fmt in ("f32", "bf16"):
         y = x.double() @ wd.T
     else:
         r, k = x.shape
@@ -91,6 +93,25 @@ def test_quantized_formats_keep_ggmls_numbers() -> None:
         ids = torch.tensor([0, 36, 17])
         assert torch.equal(p.rows(ids).dequantize(), p.dequantize()[ids])
         assert torch.equal(p.dequantize_rows(ids), p.dequantize()[ids])
+
+
+def test_bf16_weights_stay_bf16_and_compute_as_fp32_tiles_of_the_same_numbers() -> None:
+    """A bf16 weight is stored in half of fp32's bytes (nothing widened in memory), and its tile computes bit for bit
+    what an fp32 tile of the widened weights computes: widening is exact, the arithmetic is the fp32 tile's."""
+    torch.manual_seed(2)
+    w, b = torch.randn(37, 80), torch.randn(37)
+    rounded = w.to(torch.bfloat16)
+    packed = pack(w, "bf16", b)
+    assert packed.data.dtype == torch.bfloat16 and packed.nbytes * 2 == pack(w, "f32").nbytes
+    assert torch.equal(pack(rounded, "bf16").data, packed.data)  # bf16 weights pack as they are
+    assert torch.equal(packed.dequantize(), rounded.float())
+    ids = torch.tensor([0, 36, 17])
+    assert torch.equal(packed.rows(ids).dequantize(), rounded.float()[ids]) and packed.rows(ids).fmt == "bf16"
+    assert torch.equal(packed.dequantize_rows(ids), rounded.float()[ids])
+    widened = pack(rounded.float(), "f32", b)
+    x = torch.randn(20, 80)
+    for rows in (1, 6, 7, 20):
+        assert torch.equal(cpu.linear(x[:rows], packed.kernel_args()), cpu.linear(x[:rows], widened.kernel_args()))
 
 
 def test_gguf_blocks_are_read_byte_for_byte() -> None:
@@ -192,7 +213,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("native"), vocab_size=512, initializer_range=0.2)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "q8", "q4"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 def test_native_decoder_gives_a_tree_node_the_logits_of_a_single_step(tiny_dir: Path, weights: str) -> None:
     model = load_model(str(tiny_dir), device="cpu", weights=weights).model
     assert model.native
@@ -218,7 +239,7 @@ def test_native_decoder_gives_a_tree_node_the_logits_of_a_single_step(tiny_dir: 
                 assert torch.equal(alone[0], together[i]), (weights, n, i)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "q4"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
 def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weights: str) -> None:
     model = load_model(str(tiny_dir), device="cpu", weights=weights).model
     ids = torch.randint(512, (300,), generator=torch.Generator().manual_seed(1))
@@ -276,10 +297,11 @@ def test_real_model_logits_in_a_branching_tree_equal_decoding_alone(smol_engine)
             cache.rollback(n0)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "q4"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
 def test_native_engines_run_the_heads_on_the_kernels(tiny_dir: Path, weights: str) -> None:
-    """A native engine runs its heads' matrices on the kernels (fp32), and the lm_head rows they score are the
-    model's own rows in its format: a head's logit for a token is the lm_head's for that token, bit for bit."""
+    """A native engine runs its heads' matrices on the kernels (in the model's format: fp32 or bf16; q8_0 for a
+    quantized model), and the lm_head rows they score are the model's own rows in its format: a head's logit for a
+    token is the lm_head's for that token, bit for bit."""
     from core.engine import Engine
     from core.runtime.weights import NativeLinear
     from core.tokenswift.heads import DraftHeads
@@ -298,9 +320,47 @@ def test_native_engines_run_the_heads_on_the_kernels(tiny_dir: Path, weights: st
         plain = heads.logits(h, plain_model), heads.root_logits(h, roots, plain_model)
         Engine(loaded, heads)
         assert isinstance(heads.proj[0], NativeLinear) and isinstance(heads.root.up, NativeLinear)
+        fmt = {"fp32": "f32", "bf16": "bf16", "q4": "q8_0"}[weights]
+        assert {layer.packed.fmt for layer in (*heads.proj, heads.root.up, heads.root.down)} == {fmt}
         logits = heads.logits(h, model)
         states = torch.cat(heads.states(h))
         assert torch.equal(logits.view(-1, len(ids)), model.lm_head(states)[:, ids])
         if weights == "fp32":
             torch.testing.assert_close(logits, plain[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(heads.root_logits(h, roots, model), plain[1], rtol=1e-5, atol=1e-5)
+
+
+# -- the loader ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_weights_choice_runs_on_the_kernels_and_kernels_off_on_pytorch(tmp_path: Path, monkeypatch,
+                                                                            tied: bool) -> None:
+    """On a CPU every --weights choice packs every matrix for the kernels in its format (auto: a safetensors
+    checkpoint's fp32); bf16 keeps the embedding table in bf16 too, looked up as fp32 rows, and the rest of the model
+    (norms, KV cache) computes in fp32. With TOKENSWIFT_KERNELS=off the model runs on PyTorch's operators in the
+    dtype asked for."""
+    from core.runtime.model import NativeEmbedding
+
+    folder = make_tiny_checkpoint(tmp_path / "m", vocab_size=512, tie_word_embeddings=tied)
+    expected = {"auto": "f32", "fp32": "f32", "bf16": "bf16", "q8": "q8_0", "q4": "q4_1"}
+    for weights, fmt in expected.items():
+        model = load_model(str(folder), device="cpu", weights=weights).model
+        matrices = [getattr(b, name) for b in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+        assert model.native and {m.packed.fmt for m in [*matrices, model.lm_head]} == {fmt}, weights
+        assert model.dtype == torch.float32 and model.new_cache(4).k.dtype == torch.float32
+        if tied:  # one table: the lm_head's rows
+            assert isinstance(model.embed, NativeEmbedding) and model.embed.table is model.lm_head.packed
+        elif weights == "bf16":
+            assert isinstance(model.embed, NativeEmbedding) and model.embed.table.fmt == "bf16"
+        else:
+            assert model.embed.weight.dtype == torch.float32
+        assert model.embed(torch.tensor([3, 7])).dtype == torch.float32
+    monkeypatch.setenv("TOKENSWIFT_KERNELS", "off")
+    cpu.kernel.cache_clear()
+    try:
+        for weights, dtype in (("auto", torch.float32), ("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            model = load_model(str(folder), device="cpu", weights=weights).model
+            assert not model.native and model.dtype == dtype and isinstance(model.lm_head, torch.nn.Linear)
+    finally:
+        monkeypatch.delenv("TOKENSWIFT_KERNELS")
+        cpu.kernel.cache_clear()

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ def default_device() -> str:
 
 
 WEIGHTS = ("auto", "fp32", "bf16", "q8", "q4")
-FORMATS = {"fp32": "f32", "q8": "q8_0", "q4": "q4_1"}  # --weights -> the CPU kernels' format
+FORMATS = {"fp32": "f32", "bf16": "bf16", "q8": "q8_0", "q4": "q4_1"}  # --weights -> the CPU kernels' format
 
 
 def load_model(spec: str | None = None, device: str | None = None, weights: str = "auto",
@@ -77,8 +78,9 @@ def load_model(spec: str | None = None, device: str | None = None, weights: str 
     """Resolve `spec` (default: env TOKENSWIFT_MODEL, else smollm2-135m) and load it onto `device`.
 
     `weights`: `auto` runs the file's own format (a GGUF's blocks on a CPU, else fp32; bf16 on CUDA), `fp32` and
-    `bf16` dequantized, `q8` / `q4` quantized on load (q8_0 / q4_1, CPU only). On a CPU the model runs natively
-    (Transformer.to_native) unless `native` is False or the kernels cannot be built (bf16 never does).
+    `bf16` dequantized (a GGUF's blocks to fp32, then rounded to bf16), `q8` / `q4` quantized on load (q8_0 / q4_1,
+    CPU only). On a CPU the model runs natively (Transformer.to_native: bf16 matrices stay bf16, activations fp32)
+    unless `native` is False or the kernels cannot be built.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
@@ -93,7 +95,7 @@ def load_model(spec: str | None = None, device: str | None = None, weights: str 
         cfg = ModelConfig.from_hf(hf_config)
     except ValueError as e:
         raise ModelLoadError(f"{spec}: {e}") from None
-    native = native and cpu and weights != "bf16" and cfg.head_dim in HEAD_SIZES and kernel() is not None
+    native = native and cpu and cfg.head_dim in HEAD_SIZES and kernel() is not None
     gguf = gguf_source(folder)
     if native and weights == "auto" and gguf is not None:
         try:
@@ -102,7 +104,7 @@ def load_model(spec: str | None = None, device: str | None = None, weights: str 
             raise ModelLoadError(f"{spec}: {e}") from None
         return LoadedModel(spec, model, load_tokenizer(folder), cfg, f"{source}, as stored", folder)
     dtype = torch.bfloat16 if weights == "bf16" or (weights == "auto" and not cpu) else torch.float32
-    model = build_model(cfg, read_weights(folder), device=device, dtype=dtype)
+    model = build_model(cfg, read_weights(folder, dtype), device=device, dtype=dtype)
     if native:
         fmt = FORMATS.get(weights, "f32")
         model.to_native(fmt)
@@ -247,18 +249,37 @@ def read_config(folder: Path) -> Any:
         raise ModelLoadError(f"{folder}: unreadable config.json ({e})") from None
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def read_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, floating-point ones cast to `dtype` as each is read (bf16 from an fp32 file: never
+    the whole model in fp32 at once)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     files = sorted(folder.glob("*.safetensors"))
     if files:
         state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(f))
+        for path in files:
+            state.update(read_safetensors(path, cast))
     elif (folder / "pytorch_model.bin").is_file():
         state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = {name: cast(t) for name, t in state.items()}
     else:
         raise ModelLoadError(f"{folder}: no *.safetensors or pytorch_model.bin weights")
+    return state
+
+
+def read_safetensors(path: Path, cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, each through `cast`. Each is read through a mapping of the file of its own,
+    closed before the next: a mapped file's pages count as the process's memory while it stays mapped, so one
+    mapping for the whole file would hold all of it (in the file's dtype) beside what is kept."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        names = list(f.keys())
+    state = {}
+    for name in names:
+        with safe_open(path, framework="pt") as f:
+            state[name] = cast(f.get_tensor(name))
     return state
 
 

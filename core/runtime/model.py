@@ -6,10 +6,10 @@ logits of the rows asked for and the pre-final-norm hidden state of every new to
 it). Weights follow Hugging Face names on load, fused into one QKV and one gate/up matrix per layer so a step
 does fewer, larger matrix products.
 
-Two ways to run it: PyTorch's operators (any device and dtype; CUDA, compiled graphs), or, on a CPU in float32,
-native: packed weights in fp32, q8_0 or q4_1 (core/runtime/weights.py) and the whole decoder stack in one call of
-our kernels (core/runtime/kernels/cpu.cpp), where every row is computed alike whatever rows share the forward and
-wherever its keys sit in the cache. `to_native` switches a model over.
+Two ways to run it: PyTorch's operators (any device and dtype; CUDA, compiled graphs), or, on a CPU, native: packed
+weights in fp32, bf16, q8_0 or q4_1 (core/runtime/weights.py), fp32 activations, and the whole decoder stack in one
+call of our kernels (core/runtime/kernels/cpu.cpp), where every row is computed alike whatever rows share the forward
+and wherever its keys sit in the cache. `to_native` switches a model over.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from core.runtime.kernels import cpu
 from core.runtime.kv_cache import KVCache, PartialKVCache
-from core.runtime.weights import NativeLinear, PackedWeight
+from core.runtime.weights import NativeLinear, PackedWeight, pack
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -271,11 +271,13 @@ class Transformer(nn.Module):
         return self.norm.weight.dtype
 
     def to_native(self, fmt: str = "f32") -> bool:
-        """Pack every weight matrix in `fmt` (f32, q8_0, q4_1) for our CPU kernels and run the decoder natively from
-        then on; False (nothing done) where they do not apply (not float32 on a CPU, a head size without an
-        attention kernel, no compiler). Matrices that are native already keep their format (a GGUF's own blocks)."""
-        if (self.device.type != "cpu" or self.dtype != torch.float32 or self.cfg.head_dim not in cpu.HEAD_SIZES
-                or cpu.kernel() is None):
+        """Pack every weight matrix in `fmt` (f32, bf16, q8_0, q4_1) for our CPU kernels and run the decoder
+        natively from then on; False (nothing done) where they do not apply (not fp32 or bf16 weights on a CPU, a
+        head size without an attention kernel, no compiler). Matrices that are native already keep their format (a
+        GGUF's own blocks). The kernels compute in fp32 whatever the weights' format: a bf16 model's norms, rotary
+        table and KV cache become fp32 (exact: a bf16 value widens to the same number), its matrices stay bf16."""
+        if (self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16)
+                or self.cfg.head_dim not in cpu.HEAD_SIZES or cpu.kernel() is None):
             return False
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
@@ -285,6 +287,11 @@ class Transformer(nn.Module):
             self.lm_head = NativeLinear.of(self.lm_head, fmt)
             if self.cfg.tie_embeddings:  # one table: the embedding reads the lm_head's rows
                 self.embed = NativeEmbedding(self.lm_head.packed)
+        if isinstance(self.embed, nn.Embedding) and self.embed.weight.dtype == torch.bfloat16:
+            # an untied bf16 table stays bf16 (not widened in memory); its rows are looked up as fp32
+            self.embed = NativeEmbedding(pack(self.embed.weight, "bf16"))
+        self.float()  # what is left (the norms) computes in fp32
+        self._rope_table = None  # rebuilt in fp32 on the next forward
         self.native, self._native_args = True, None
         return True
 

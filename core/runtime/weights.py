@@ -1,13 +1,16 @@
-"""Weight formats of the CPU kernels: fp32, and 8- and 4-bit blocks run as they are (q8_0, q4_1: GGML's formats).
+"""Weight formats of the CPU kernels: fp32, bf16, and 8- and 4-bit blocks run as they are (q8_0, q4_1: GGML's
+formats).
 
-A weight [N, K] is packed into tiles of 16 output columns (kernels/cpu.cpp describes the layouts), from an fp32
-matrix (`pack`, quantizing it first for q8_0 / q4_1) or from a GGUF file's own blocks (`from_gguf_blocks`, which
-keeps the file's numbers: a GGUF model runs exactly the weights it ships). `NativeLinear` is the module a layer
-holds; its forward is the kernel's, so every row is computed alike whatever rows come with it.
+A weight [N, K] is packed into tiles of 16 output columns (kernels/cpu.cpp describes the layouts), from a float
+matrix (`pack`: rounding it to bf16, or quantizing it for q8_0 / q4_1) or from a GGUF file's own blocks
+(`from_gguf_blocks`, which keeps the file's numbers: a GGUF model runs exactly the weights it ships). `NativeLinear`
+is the module a layer holds; its forward is the kernel's, so every row is computed alike whatever rows come with it.
 
 Quantizing fp32 weights follows GGML's reference quantizers: q8_0 blocks of 32 with d = max|w| / 127 and
 q = round(w / d); q4_1 blocks of 32 with m = min, d = (max - min) / 15 and q = round((w - m) / d) in 0..15.
-Dequantized, a q8_0 weight is d * q and a q4_1 weight d * q + m, in fp32, as GGUF readers compute them.
+Dequantized, a q8_0 weight is d * q and a q4_1 weight d * q + m, in fp32, as GGUF readers compute them. A bf16
+weight stays bf16 in memory (half of fp32's bytes): the kernel widens it to fp32 as it reads it, which is exact, so
+it computes what an fp32 tile of the widened weight computes.
 """
 from __future__ import annotations
 
@@ -21,14 +24,15 @@ from core.runtime.kernels import cpu
 
 COLS = 16  # output columns per tile
 BLOCK = 32  # weights per quantization block
-FORMATS = ("f32", "q8_0", "q4_1")
-CODES = {"f32": 0, "q8_0": 1, "q4_1": 2}
+FORMATS = ("f32", "bf16", "q8_0", "q4_1")
+CODES = {"f32": 0, "q8_0": 1, "q4_1": 2, "bf16": 3}
+DENSE = ("f32", "bf16")  # formats whose tiles hold the weights themselves: [T, K, 16] values
 
 
 @dataclass
 class PackedWeight:
-    """A weight [n, k] packed for the kernel: tiles (`data`), fp16 scales `d` and mins `m` where the format has
-    them, and an fp32 bias."""
+    """A weight [n, k] packed for the kernel: tiles (`data`: fp32, bf16, int8 or uint8), fp16 scales `d` and mins
+    `m` where the format has them, and an fp32 bias."""
 
     fmt: str
     n: int
@@ -52,8 +56,8 @@ class PackedWeight:
     def dequantize(self) -> Tensor:
         """The fp32 weight [n, k] these tiles compute with."""
         t = self.data.shape[0]
-        if self.fmt == "f32":
-            return self.data.transpose(1, 2).reshape(-1, self.k)[: self.n]
+        if self.fmt in DENSE:
+            return self.matrix().float()
         b = self.k // BLOCK
         d = self.d.float().permute(0, 2, 1).reshape(t * COLS, b, 1)
         if self.fmt == "q8_0":
@@ -67,8 +71,8 @@ class PackedWeight:
     def dequantize_rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` of the fp32 weight (an embedding lookup in a tied lm_head's table)."""
         t, c = ids // COLS, ids % COLS
-        if self.fmt == "f32":
-            return self.data[t, :, c]
+        if self.fmt in DENSE:
+            return self.data[t, :, c].float()
         b = self.k // BLOCK
         d = self.d[t, :, c].float()[..., None]  # [len, b, 1]
         if self.fmt == "q8_0":
@@ -80,10 +84,14 @@ class PackedWeight:
 
     def rows(self, ids: Tensor) -> PackedWeight:
         """The weight of output rows `ids` only (same numbers, repacked): e.g. the lm_head rows drafting scores."""
-        if self.fmt == "f32":
-            return pack(self.dequantize()[ids], "f32")
+        if self.fmt in DENSE:
+            return pack(self.matrix()[ids], self.fmt)
         q, d, m = self.blocks()
         return from_blocks(self.fmt, q[ids], d[ids], None if m is None else m[ids])
+
+    def matrix(self) -> Tensor:
+        """A dense format's weight [n, k] in its own dtype (fp32 or bf16): a view of the tiles, nothing widened."""
+        return self.data.transpose(1, 2).reshape(-1, self.k)[: self.n]
 
     def blocks(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """Quantized values [n, k], scales [n, k/32] (and mins) in row order: what `from_blocks` packs."""
@@ -139,13 +147,21 @@ def quantize_q4_1(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.reshape(w.shape), d.to(torch.float16), lo.to(torch.float16)
 
 
+def dense_tiles(w: Tensor) -> Tensor:
+    """[T, K, 16] tiles of a weight [n, k] in its own dtype, rows padded with zeros to a multiple of 16."""
+    return _pad_rows(w).view(-1, COLS, w.shape[1]).transpose(1, 2).contiguous()
+
+
 def pack(w: Tensor, fmt: str, bias: Tensor | None = None) -> PackedWeight:
-    """Pack an fp32 weight [n, k], quantizing it first for q8_0 and q4_1."""
-    w = w.detach().float()
+    """Pack a float weight [n, k]: in fp32, rounded to bf16 (a bf16 weight packs as it is: no fp32 copy of it is
+    made), or quantized to q8_0 / q4_1."""
+    w = w.detach()
     bias = None if bias is None else bias.detach().float().contiguous()
+    if fmt == "bf16":
+        return PackedWeight("bf16", w.shape[0], w.shape[1], dense_tiles(w.to(torch.bfloat16)), bias=bias)
+    w = w.float()
     if fmt == "f32":
-        tiles = _pad_rows(w).view(-1, COLS, w.shape[1]).transpose(1, 2).contiguous()
-        return PackedWeight("f32", w.shape[0], w.shape[1], tiles, bias=bias)
+        return PackedWeight("f32", w.shape[0], w.shape[1], dense_tiles(w), bias=bias)
     if fmt == "q8_0":
         return from_blocks("q8_0", *quantize_q8_0(w), bias=bias)
     if fmt == "q4_1":

@@ -1,6 +1,6 @@
-// The CPU decoder's kernels: linear layers over packed fp32 or 4/8-bit weights, attention over the KV cache in each
-// row's logical key order, and the per-row glue (RMSNorm, rotary embedding, SiLU gate, residuals), with a whole
-// decoder stack in one call.
+// The CPU decoder's kernels: linear layers over packed fp32, bf16 or 4/8-bit weights, attention over the KV cache in
+// each row's logical key order, and the per-row glue (RMSNorm, rotary embedding, SiLU gate, residuals), with a whole
+// decoder stack in one call. Activations are fp32 whatever the weights' format.
 //
 // Every kernel here is row-invariant by construction: a row's result is the same sequence of float operations
 // whatever other rows share the call, however many threads run and wherever the row's keys sit in the cache. So a
@@ -8,6 +8,7 @@
 // tokens equal vanilla decoding's. How:
 // - work is split over output columns (linear) or (head, key chunk) tasks (attention), never inside a row's sum;
 // - every multiply-add is an explicit fma (the file is built with -ffp-contract=off, so nothing else is fused);
+// - bf16 weights widen to fp32 exactly (a bf16 is a float's upper 16 bits) and then take the fp32 arithmetic;
 // - integer dot products (quantized weights) are exact, whatever instruction computes them;
 // - a row's accumulator over k (or over keys) always runs in the same order, in one vector lane of its own;
 // - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count.
@@ -46,6 +47,24 @@ inline void halves_to_floats(const uint16_t* h, float* out) {
 #endif
 }
 
+// 16 bf16 values as floats: a bf16 is the upper half of the float it stands for, so widening is a shift, exact.
+inline void bf16_to_floats(const uint16_t* h, float* out) {
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+#elif defined(__AVX2__)
+  for (int i = 0; i < 16; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#else
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+    std::memcpy(out + i, &bits, sizeof(bits));
+  }
+#endif
+}
+
 // 4 consecutive int8 activations as one int32 (broadcast to every lane of an integer dot product).
 inline int32_t load4(const int8_t* p) {
   int32_t v;
@@ -55,7 +74,10 @@ inline int32_t load4(const int8_t* p) {
 
 constexpr int64_t kCols = 16;   // output columns per packed tile
 constexpr int64_t kBlock = 32;  // weights per quantization block (along k)
-constexpr int kFmtF32 = 0, kFmtQ8_0 = 1, kFmtQ4_1 = 2;
+constexpr int kFmtF32 = 0, kFmtQ8_0 = 1, kFmtQ4_1 = 2, kFmtBF16 = 3;
+
+// Quantized formats meet activations quantized per row; fp32 and bf16 weights meet the fp32 activations.
+inline bool quantized(int fmt) { return fmt == kFmtQ8_0 || fmt == kFmtQ4_1; }
 
 // ---------------------------------------------------------------------------------------------------------------
 // exp(x) for x <= 0, written so the compiler vectorises it: e^x = 2^i * e^f with i = round(x log2 e), |f| <= ln(2)/2,
@@ -124,16 +146,19 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
 // ---------------------------------------------------------------------------------------------------------------
 // Linear layers. A packed weight holds ceil(N / 16) tiles of 16 output columns:
 // - fp32: [T, K, 16] floats;
+// - bf16: [T, K, 16] bf16 values, widened to fp32 in registers (half of fp32's bytes to read, the same arithmetic);
 // - q8_0: int8 [T, K/32, 8, 16, 4] (per block, per group of 4 k: the 16 columns' 4 values), fp16 scales [T, K/32, 16];
 // - q4_1: uint8 [T, K/32, 4, 16, 4], the low nibble holding k-group g, the high nibble k-group g + 4, fp16 scales
 //   and mins [T, K/32, 16] (w = d * q + m, q in 0..15).
 // Per (row, column) the result is sum over blocks, in order, of fma(isum, d_w * d_x, acc) (then fma(m_w, d_x * sum
-// q_x, acc) for q4_1), isum being the block's exact integer dot product; for fp32 weights an fma per k, in order.
+// q_x, acc) for q4_1), isum being the block's exact integer dot product; for fp32 and bf16 weights an fma per k, in
+// order (a bf16 tile computes exactly what an fp32 tile of the same weights, widened, computes).
 
 struct Linear {
   int fmt;
   int64_t n, k;
   const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
   const int8_t* q8 = nullptr;
   const uint8_t* q4 = nullptr;
   const uint16_t* d = nullptr;
@@ -141,13 +166,21 @@ struct Linear {
   const float* bias = nullptr;
 };
 
-// fp32 tile: out[r][c] = sum_k x[r][k] * w[k][c], RB rows, the tile's K x 16 weights read once for all of them.
-template <int RB>
-inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, float (&acc)[RB][kCols]) {
+// fp32 or bf16 tile: out[r][c] = sum_k x[r][k] * w[k][c], RB rows, the tile's K x 16 weights read once for all of
+// them. W is float or uint16_t (bf16 bits); a bf16 row of 16 weights is widened first, then multiplied as fp32.
+template <int RB, typename W>
+inline void dense_tile(const float* x, int64_t ldx, const W* w, int64_t K, float (&acc)[RB][kCols]) {
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  float widened[kCols];
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * kCols;
+    const float* wk;
+    if constexpr (std::is_same_v<W, float>) {
+      wk = w + k * kCols;
+    } else {
+      bf16_to_floats(w + k * kCols, widened);
+      wk = widened;
+    }
     for (int r = 0; r < RB; ++r) {
       const float xk = x[r * ldx + k];
 #pragma omp simd
@@ -306,10 +339,8 @@ void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t 
 // One tile, RB rows: acc[r][c] over the whole of k.
 template <int RB>
 void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float (&acc)[RB][kCols]) {
-  if (L.fmt == kFmtF32) {
-    f32_tile<RB>(x + r0 * L.k, L.k, L.f32 + t * L.k * kCols, L.k, acc);
-    return;
-  }
+  if (L.fmt == kFmtF32) return dense_tile<RB>(x + r0 * L.k, L.k, L.f32 + t * L.k * kCols, L.k, acc);
+  if (L.fmt == kFmtBF16) return dense_tile<RB>(x + r0 * L.k, L.k, L.bf16 + t * L.k * kCols, L.k, acc);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (L.fmt == kFmtQ4_1) return quant_tile_avx512<RB, true>(L, t, xq, r0, acc);
   return quant_tile_avx512<RB, false>(L, t, xq, r0, acc);
@@ -350,12 +381,12 @@ void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq,
 }
 
 // y [R, N] = x [R, K] W^T (+ bias). Tiles are split between threads; each tile's rows in near-equal blocks of at
-// most 6 (fp32: 6 x 16 accumulators fill AVX2's registers) or 8 (quantized) rows sharing every loaded weight.
+// most 6 (fp32, bf16: 6 x 16 accumulators fill AVX2's registers) or 8 (quantized) rows sharing every loaded weight.
 void linear_into(const Linear& L, const float* x, int64_t R, float* out) {
   QuantRows xq;
-  if (L.fmt != kFmtF32) quantize_rows(x, R, L.k, xq);
+  if (quantized(L.fmt)) quantize_rows(x, R, L.k, xq);
   const int64_t T = (L.n + kCols - 1) / kCols;
-  const int64_t most = L.fmt == kFmtF32 ? 6 : 8;
+  const int64_t most = quantized(L.fmt) ? 8 : 6;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t blocks = (R + most - 1) / most;
@@ -388,6 +419,9 @@ Linear linear_from(int64_t fmt, const torch::Tensor& a, const torch::Tensor& d, 
   if (L.fmt == kFmtF32) {
     TORCH_CHECK(a.scalar_type() == at::kFloat && a.numel() == T * k * kCols, "linear: fp32 tiles [T, K, 16]");
     L.f32 = a.data_ptr<float>();
+  } else if (L.fmt == kFmtBF16) {
+    TORCH_CHECK(a.scalar_type() == at::kBFloat16 && a.numel() == T * k * kCols, "linear: bf16 tiles [T, K, 16]");
+    L.bf16 = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
   } else {
     TORCH_CHECK(k % kBlock == 0, "linear: quantized weights need K a multiple of 32");
     TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == T * (k / kBlock) * kCols,
