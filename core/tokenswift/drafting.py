@@ -61,11 +61,14 @@ def draft_tree(engine: TokenSwiftEngine, gen: Generation, head_logits: Tensor | 
     if candidates:
         first, chance = candidates[0][0]
         keys.append((first, [first], chance))
+    # a key's continuations past its (budget - 1) most frequent are less likely than those, which alone fill the
+    # tree: proposing them would make a step's work grow with the text (a comma's continuations) and verify nothing
+    per_key = min(opt.ngram_topk, opt.tree_budget - 1)
     for key, prefix, base in keys:
         # a continuation seen c times among `total` scores c / (total + 1): one seen once is right ~1 time in 4 with
         # the studio settings, not always (as c / total would claim); measured on generated text
         total = table.total(key)
-        for cont, count in table.topk(key, opt.ngram_topk):
+        for cont, count in table.topk(key, per_key):
             score = base * min(1.0, opt.ngram_weight * count / (total + 1))
             builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont), NGRAM)
     proposed = builder.recalibrate(calibrator.chance) if calibrator is not None else []

@@ -22,7 +22,7 @@ class TokenSwiftOptions:
     root_head: bool = True  # the root head (if the heads have one) drafts below the root (or the backbone's draft)
     backbone_topk: int = 1  # depth-1 candidates from the draft pass (separate mode)
     ngram_n: int = 4
-    ngram_topk: int = 20
+    ngram_topk: int = 20  # continuations proposed per key, at most (drafting: never more than the tree holds)
     ngram_lag: int = 0  # index all but the last `ngram_lag` tokens (the paper lags by its penalty window, 1024)
     ngram_weight: float = 1.0  # scales the n-gram chains' acceptance estimate against the heads'
     calibrate: bool = True  # score drafts by their measured rate of being drawn (core/tokenswift/calibration.py)

@@ -46,7 +46,8 @@ def add_tokenswift_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", type=int, default=None, help="partial KV cache size for the separate draft pass")
     p.add_argument("--ngram-lag", type=int, default=None, help="leave the last N tokens out of the n-gram table")
     p.add_argument("--ngram-topk", type=int, default=None,
-                   help="n-gram continuations proposed per key (default 20; 0 turns token reuse off)")
+                   help="n-gram continuations proposed per key, at most (default 20, and never more than the tree's "
+                        "nodes below the root; 0 turns token reuse off)")
     p.add_argument("--min-draft-score", type=float, default=None,
                    help="verify only drafts whose calibrated chance is at least this (default: 0.25 on a CPU, "
                         "0 on CUDA)")

@@ -3,7 +3,9 @@ a CPU, with a tiny random model (core/tools/random_model.py), so that nothing a 
 with the text: the n-gram table, calibration, drafting, the tree, the draws and the decode loop.
 
 A step's overhead is its wall time less its forwards' (Step.seconds - Step.forward_s). The forwards grow with
-length (attention reads every cached key), the overhead must not. The history is Zipf-distributed tokens, so a
+length (attention reads every cached key), the overhead must not. Its time still rises a little: the same Python
+code runs slower after a forward that streamed a long cache through the CPU's caches. So a step's work is also
+counted, in Python function calls, which no cache state changes. The history is Zipf-distributed tokens, so a
 frequent token has thousands of n-gram continuations at 100K, as a comma has in a real text. Instead of a prefill
 (hours of attention at 100K on two cores) the cache is filled with random keys and values: the steps after it do
 exactly what they do after a real prefill.
@@ -14,7 +16,9 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -22,12 +26,14 @@ import torch
 from torch import Tensor
 
 from core.engine import Engine
-from core.generation.decoding import Generation, GenerationConfig
+from core.generation.decoding import Generation, GenerationConfig, Step
 from core.generation.sampling import PRESETS
 from core.runtime.kv_cache import KVCache
 from core.tokenswift.ngram import NGramTable
 from core.tools.args import options_from
 from core.tools.random_model import random_engine
+
+CALL_COUNTED_STEPS = 16  # steps whose Python calls are counted, after the timed ones (counting slows them)
 
 
 def add_long_profile_args(p: argparse.ArgumentParser) -> None:
@@ -63,13 +69,15 @@ def filled_prefill(gen: Generation, cache: KVCache) -> tuple[Tensor, Tensor]:
 def profile_steps(engine: Engine, length: int, steps: int, method: str, preset: str = "studio") -> dict[str, Any]:
     """Run `steps` steps of `method` after `length` cached tokens; per-step overhead and forward time."""
     history = zipf_history(length, engine.model.cfg.vocab_size)
-    config = GenerationConfig(max_new_tokens=steps * engine.max_block + 1, method=method,
+    counted_steps = min(steps, CALL_COUNTED_STEPS)
+    config = GenerationConfig(max_new_tokens=(steps + counted_steps) * engine.max_block + 1, method=method,
                               sampling=PRESETS[preset].with_(seed=1), ignore_eos=True)
     gen = engine.generate(history, config)
     gen.prefill = lambda cache: filled_prefill(gen, cache)  # type: ignore[method-assign]
     overhead, forward, tokens = [], [], 0
-    # n-gram continuations proposed: the one part of a step's work that rises with length, up to its cap (two keys x
-    # ngram_topk), as rarer tokens gather continuations; counted on the class since the step makes its own table
+    # n-gram continuations proposed: the one part of a step's work that rises with length, up to its cap (two keys,
+    # each at most the tree's nodes below the root), as rarer tokens gather continuations; counted on the class since
+    # the step makes its own table
     chains = [0]
     topk = NGramTable.topk
 
@@ -79,8 +87,9 @@ def profile_steps(engine: Engine, length: int, steps: int, method: str, preset: 
         return out
 
     NGramTable.topk = counted  # type: ignore[method-assign]
+    steps_left = iter(gen)
     try:
-        for step in gen:
+        for step in steps_left:
             if step.index == 0:
                 chains[0] = 0
                 continue  # the prefill's own draw
@@ -96,7 +105,29 @@ def profile_steps(engine: Engine, length: int, steps: int, method: str, preset: 
             "overhead_ms_median": 1e3 * statistics.median(overhead),
             "overhead_ms_p90": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
             "forward_ms_median": 1e3 * statistics.median(forward), "tokens_per_step": tokens / len(overhead),
-            "ngram_chains_per_step": chains[0] / len(overhead)}
+            "ngram_chains_per_step": chains[0] / len(overhead),
+            "python_calls_per_step": python_calls_per_step(steps_left, counted_steps)}
+
+
+def python_calls_per_step(steps: Iterator[Step], n: int) -> float:
+    """The Python function calls each of the next `n` steps makes, on average (model code included): a measure of a
+    step's work that, unlike its time, cold caches after a long forward do not inflate."""
+    calls, done = 0, 0
+
+    def on_event(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    for _ in range(n):
+        sys.setprofile(on_event)
+        try:
+            step = next(steps, None)
+        finally:
+            sys.setprofile(None)
+        if step is None:
+            break
+        done += 1
+    return calls / max(done, 1)
 
 
 def run_long_profile(args: argparse.Namespace) -> int:
@@ -104,23 +135,27 @@ def run_long_profile(args: argparse.Namespace) -> int:
     methods = args.methods.split(",")
     torch.set_num_threads(args.threads)
     engine = random_engine("tiny", "cpu", options=options_from(args))
-    if max(lengths) + args.steps * engine.max_block + 1 > engine.max_context:
-        raise ValueError(f"lengths up to {engine.max_context - args.steps * engine.max_block - 1} tokens")
+    room = (args.steps + min(args.steps, CALL_COUNTED_STEPS)) * engine.max_block + 1  # the tokens the steps write
+    if max(lengths) + room > engine.max_context:
+        raise ValueError(f"lengths up to {engine.max_context - room} tokens")
     rows = []
     print(f"{'method':<12}{'cached':>9}{'overhead ms (median / p90)':>30}{'forward ms':>12}{'tokens/step':>13}"
-          f"{'n-gram chains/step':>20}")
+          f"{'n-gram chains/step':>20}{'Python calls/step':>19}")
     with torch.inference_mode():
         for method in methods:
             for length in lengths:
                 row = profile_steps(engine, length, args.steps, method, args.preset)
                 rows.append(row)
                 print(f"{method:<12}{length:>9}{row['overhead_ms_median']:>19.3f} / {row['overhead_ms_p90']:<8.3f}"
-                      f"{row['forward_ms_median']:>12.3f}{row['tokens_per_step']:>13.2f}{row['ngram_chains_per_step']:>20.1f}")
+                      f"{row['forward_ms_median']:>12.3f}{row['tokens_per_step']:>13.2f}{row['ngram_chains_per_step']:>20.1f}"
+                      f"{row['python_calls_per_step']:>19.0f}")
                 sys.stdout.flush()
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
         ratio = mine[-1]["overhead_ms_median"] / max(mine[0]["overhead_ms_median"], 1e-9)
-        print(f"{method}: median overhead at {mine[-1]['length']} tokens is {ratio:.2f}x that at {mine[0]['length']}")
+        calls = mine[-1]["python_calls_per_step"] / max(mine[0]["python_calls_per_step"], 1e-9)
+        print(f"{method}: at {mine[-1]['length']} tokens a step's median overhead is {ratio:.2f}x and its Python calls "
+              f"{calls:.2f}x those at {mine[0]['length']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": getattr(args, "command_line", ""), "rows": rows}, indent=1))
