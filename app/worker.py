@@ -9,7 +9,7 @@ only inside a request).
 What the UI sees (all through storage):
 - worker state: "loading model" → ("compiling", with compile=True) → "ready", or "failed" with the reason;
   "stopped" at the end. With compile=None (auto) and a CPU model on PyTorch's operators (our kernels off or not
-  built, or bf16 weights; a model on our kernels has nothing to compile) the worker is "ready" after loading, runs
+  built; a model on our kernels has nothing to compile) the worker is "ready" after loading, runs
   eagerly, and compiles the graphs one at a time while its queue is empty (_compile_step), swapping them in between
   runs. The message says what the worker is doing and ends with the engine's one-time notices ("Note: no trained
   drafting heads for this model: …"), so the header line can show them without a separate channel.
