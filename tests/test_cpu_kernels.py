@@ -1,7 +1,8 @@
 """The CPU kernels (core/runtime/kernels/cpu.cpp): each computes its function (against float64 references of the
 same arithmetic), and a row's result is the same floats whatever rows share the call, however many threads run and
 wherever its keys sit in the cache. The decoder built on them therefore gives a token verified inside a tree — in the
-layouts TreeBuilder really builds — bit for bit the logits a one-token step gives it."""
+layouts TreeBuilder really builds — bit for bit the logits a one-token step gives it; with bf16 weights it rounds its
+activations to bf16 where a bf16 model does, and computes what PyTorch's bf16 model computes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -58,19 +59,19 @@ def test_linear_matches_its_reference(fmt: str, n: int, k: int) -> None:
         torch.testing.assert_close(out.double(), reference[:rows], rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "bf16"), [(fmt, False) for fmt in FORMATS] + [("bf16", True)])
+def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(fmt: str, bf16: bool) -> None:
     torch.manual_seed(0)
     packed = pack(torch.randn(200, 96), fmt, torch.randn(200))
     x = torch.randn(40, 96)
-    together = cpu.linear(x, packed.kernel_args())
+    together = cpu.linear(x, packed.kernel_args(), bf16)
     for rows in range(1, 41):
-        assert torch.equal(cpu.linear(x[:rows], packed.kernel_args()), together[:rows]), rows
-        assert torch.equal(cpu.linear(x[rows - 1:rows], packed.kernel_args())[0], together[rows - 1]), rows
+        assert torch.equal(cpu.linear(x[:rows], packed.kernel_args(), bf16), together[:rows]), rows
+        assert torch.equal(cpu.linear(x[rows - 1:rows], packed.kernel_args(), bf16)[0], together[rows - 1]), rows
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu.linear(x, packed.kernel_args()), together)
+        assert torch.equal(cpu.linear(x, packed.kernel_args(), bf16), together)
     finally:
         torch.set_num_threads(threads)
 
@@ -112,6 +113,60 @@ def test_bf16_weights_stay_bf16_and_compute_as_fp32_tiles_of_the_same_numbers() 
     x = torch.randn(20, 80)
     for rows in (1, 6, 7, 20):
         assert torch.equal(cpu.linear(x[:rows], packed.kernel_args()), cpu.linear(x[:rows], widened.kernel_args()))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def to_bf16(t: torch.Tensor) -> torch.Tensor:
+    """PyTorch's rounding of fp32 values to bf16, widened back."""
+    return t.bfloat16().float()
+
+
+def test_bf16_outputs_are_pytorchs_rounding_of_the_fp32_ones() -> None:
+    """A rounded linear layer's output is its fp32 output (the accumulation plus the bias) rounded once to bf16 by
+    PyTorch's own conversion, bit for bit: ties to even, subnormals, overflow to inf, a NaN. Through an identity
+    weight the layer's output is its input (but -0, which the sum from +0 makes +0), so every kind of value can be
+    put through the rounding."""
+    special = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, -(1.0 + 2**-8), 3.3e38,
+                            torch.finfo(torch.float32).max, 1e-40, -1e-40, 2**-133, 0.0, 65504.0, 1 / 3])
+    torch.manual_seed(5)
+    x = torch.cat([special, torch.randn(512 - len(special)) * 10.0 ** torch.randint(-30, 30, (512 - len(special),))])
+    x = x.view(-1, 16)
+    identity = pack(torch.eye(16), "bf16")
+    rounded = cpu.linear(x, identity.kernel_args(), True)
+    assert torch.equal(bits(cpu.linear(x, identity.kernel_args())), bits(x))
+    assert torch.equal(bits(rounded), bits(to_bf16(x)))
+    assert torch.equal(rounded[0, :5], torch.tensor([1.0, 1.0, 1.0 + 2**-6, 1.0 + 2**-7, -1.0]))  # ties to even
+    assert torch.isinf(rounded[0, 6]) and (rounded[0, 7:10] != 0).all()
+    nan = cpu.linear(torch.full((1, 16), float("nan")), identity.kernel_args(), True)
+    assert torch.isnan(nan).all()
+    torch.manual_seed(3)
+    for fmt in ("bf16", "f32"):  # any weights: the fp32 result rounded, the bias added before
+        packed = pack(torch.randn(50, 64), fmt, torch.randn(50))
+        y = torch.randn(7, 64)
+        assert torch.equal(bits(cpu.linear(y, packed.kernel_args(), True)),
+                           bits(to_bf16(cpu.linear(y, packed.kernel_args()))))
+
+
+def test_bf16_glue_rounds_where_a_bf16_model_rounds() -> None:
+    """RMSNorm: the normalised row rounded to bf16, times the (bf16) weight, rounded (model.py's RMSNorm in bf16);
+    the SiLU gate: silu(gate) rounded, times up, rounded (F.silu(gate) * up in bf16). Each against the kernel's own
+    fp32 value of the unrounded part, rounded by PyTorch: bit for bit."""
+    torch.manual_seed(4)
+    x = to_bf16(torch.randn(9, 96) * 3)
+    w = to_bf16(torch.randn(96))
+    normed = cpu.rms_norm(x, torch.ones(96), 1e-5)  # x * rsqrt(mean(x^2) + eps): 1 * y is y
+    assert torch.equal(cpu.rms_norm(x, w, 1e-5), w * normed)
+    assert torch.equal(bits(cpu.rms_norm(x, w, 1e-5, True)), bits(to_bf16(w * to_bf16(normed))))
+    assert not torch.equal(cpu.rms_norm(x, w, 1e-5, True), to_bf16(w * normed))  # rounded twice, not once
+    gu = to_bf16(torch.randn(9, 2 * 96) * 3)
+    gate, up = gu[:, :96], gu[:, 96:]
+    silu = cpu.kernel().silu_gate(torch.cat([gate, torch.ones_like(up)], 1))  # silu(gate) * 1
+    torch.testing.assert_close(silu, torch.nn.functional.silu(gate), rtol=1e-6, atol=1e-7)
+    assert torch.equal(bits(cpu.kernel().silu_gate(gu, True)), bits(to_bf16(to_bf16(silu) * up)))
+    assert torch.equal(cpu.kernel().silu_gate(gu), silu * up)
 
 
 def test_gguf_blocks_are_read_byte_for_byte() -> None:
@@ -216,7 +271,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_native_decoder_gives_a_tree_node_the_logits_of_a_single_step(tiny_dir: Path, weights: str) -> None:
     model = load_model(str(tiny_dir), device="cpu", weights=weights).model
-    assert model.native
+    assert model.native and model.bf16_activations == (weights == "bf16")
     prefix = torch.randint(512, (260,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         for tree in branching_trees():
@@ -242,6 +297,7 @@ def test_native_decoder_gives_a_tree_node_the_logits_of_a_single_step(tiny_dir: 
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
 def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weights: str) -> None:
     model = load_model(str(tiny_dir), device="cpu", weights=weights).model
+    assert model.bf16_activations == (weights == "bf16")
     ids = torch.randint(512, (300,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         c1 = model.new_cache(301)
@@ -264,6 +320,71 @@ def test_native_fp32_matches_pytorchs_operators(tiny_dir: Path) -> None:
         a, _ = native(ids, torch.arange(40), native.new_cache(41))
         b, _ = plain(ids, torch.arange(40), plain.new_cache(41))
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def with_random_norms_and_biases(folder: Path, seed: int) -> Path:
+    """The checkpoint with norm weights away from 1 and random biases (a fresh model's are ones and zeros, under
+    which rounding w * norm(x) once or twice, or a bias before or after rounding, are the same)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if name.endswith("norm.weight"):
+            state[name] = t + 0.3 * torch.randn(t.shape, generator=g)
+        elif name.endswith("bias"):
+            state[name] = 0.5 * torch.randn(t.shape, generator=g)
+    save_file(state, str(path), metadata={"format": "pt"})
+    return folder
+
+
+def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen) -> torch.Tensor:
+    """model.attention as CUDA's fused attention (SDPA) computes it in bf16: scores, softmax and the weighted sum
+    in fp32 inside, the output rounded to bf16. (The CPU's matmul path rounds the scores and the probabilities to
+    bf16 too, which CUDA does not.)"""
+    h, n, d = q.shape
+    qg = q.reshape(keys.shape[0], -1, d).float()
+    mask = None if seen.bias is None else seen.bias.float()
+    out = torch.nn.functional.scaled_dot_product_attention(qg, keys.float(), values.float(), attn_mask=mask)
+    return out.to(q.dtype).view(h, n, d)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_bf16_computes_the_numerics_of_pytorchs_bf16_model(tmp_path: Path, monkeypatch, arch: str) -> None:
+    """--weights bf16 runs the kernels with bf16 activations: the hidden states, the cache's keys and values and the
+    logits are bf16 values, and the logits are PyTorch's bf16 model's (model.py's own path in bf16, with attention
+    as on CUDA) bit for bit at most positions: the two differ only in the order of the fp32 sums inside a matrix
+    product or attention, which now and then rounds a value to its bf16 neighbour, and that spreads down the
+    sequence. Every rounding point left out or misplaced (the inner rounding of RMSNorm, of SiLU or of the rotary
+    embedding, the attention output, the bias after rounding) leaves under a quarter of the logits and next to no
+    position equal; fp32 activations (with the same bf16 weights) none."""
+    folder = with_random_norms_and_biases(make_tiny_checkpoint(tmp_path / arch, arch=arch, vocab_size=512,
+                                                               initializer_range=0.2), seed=5)
+    native = load_model(str(folder), device="cpu", weights="bf16").model
+    fp32_acts = load_model(str(folder), device="cpu", weights="bf16", native=False).model
+    fp32_acts.to_native("bf16", activations="fp32")
+    plain = load_model(str(folder), device="cpu", weights="bf16", native=False).model
+    assert native.bf16_activations and not fp32_acts.bf16_activations and plain.dtype == torch.bfloat16
+    ids = torch.randint(512, (200,), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(200)
+    with torch.inference_mode():
+        c = native.new_cache(200)
+        logits, hidden = native(ids, positions, c)
+        c32 = fp32_acts.new_cache(200)
+        logits32, hidden32 = fp32_acts(ids, positions, c32)
+        monkeypatch.setattr("core.runtime.model.attention", fused_attention)
+        reference, _ = plain(ids, positions, plain.new_cache(200))
+    reference = reference.float()
+    for t in (hidden, c.k, c.v, logits):
+        assert torch.equal(to_bf16(t), t)
+    for t in (hidden32, c32.k, c32.v, logits32):
+        assert not torch.equal(to_bf16(t), t)
+    equal = (logits == reference).float().mean().item()
+    rows = (logits == reference).all(-1).float().mean().item()
+    assert equal > 0.6 and rows > 0.4, (equal, rows)
+    assert (logits32 == reference).float().mean().item() < 0.05
+    assert (logits32 - reference).abs().mean() > 5 * (logits - reference).abs().mean()
 
 
 @pytest.mark.slow
@@ -336,9 +457,9 @@ def test_native_engines_run_the_heads_on_the_kernels(tiny_dir: Path, weights: st
 def test_every_weights_choice_runs_on_the_kernels_and_kernels_off_on_pytorch(tmp_path: Path, monkeypatch,
                                                                             tied: bool) -> None:
     """On a CPU every --weights choice packs every matrix for the kernels in its format (auto: a safetensors
-    checkpoint's fp32); bf16 keeps the embedding table in bf16 too, looked up as fp32 rows, and the rest of the model
-    (norms, KV cache) computes in fp32. With TOKENSWIFT_KERNELS=off the model runs on PyTorch's operators in the
-    dtype asked for."""
+    checkpoint's fp32); bf16 keeps the embedding table in bf16 too, looked up as fp32 rows, and rounds activations
+    to bf16 (only it); the norms and the KV cache are fp32 tensors (of bf16 values for bf16). With
+    TOKENSWIFT_KERNELS=off the model runs on PyTorch's operators in the dtype asked for."""
     from core.runtime.model import NativeEmbedding
 
     folder = make_tiny_checkpoint(tmp_path / "m", vocab_size=512, tie_word_embeddings=tied)
@@ -348,6 +469,10 @@ def test_every_weights_choice_runs_on_the_kernels_and_kernels_off_on_pytorch(tmp
         matrices = [getattr(b, name) for b in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
         assert model.native and {m.packed.fmt for m in [*matrices, model.lm_head]} == {fmt}, weights
         assert model.dtype == torch.float32 and model.new_cache(4).k.dtype == torch.float32
+        assert model.bf16_activations == (weights == "bf16")
+        assert {m.bf16_out for m in [*matrices, model.lm_head]} == {weights == "bf16"}
+        if weights == "bf16":
+            assert all(torch.equal(to_bf16(n.weight), n.weight) for b in model.layers for n in (b.attn_norm, b.mlp_norm))
         if tied:  # one table: the lm_head's rows
             assert isinstance(model.embed, NativeEmbedding) and model.embed.table is model.lm_head.packed
         elif weights == "bf16":

@@ -7,9 +7,10 @@ it). Weights follow Hugging Face names on load, fused into one QKV and one gate/
 does fewer, larger matrix products.
 
 Two ways to run it: PyTorch's operators (any device and dtype; CUDA, compiled graphs), or, on a CPU, native: packed
-weights in fp32, bf16, q8_0 or q4_1 (core/runtime/weights.py), fp32 activations, and the whole decoder stack in one
-call of our kernels (core/runtime/kernels/cpu.cpp), where every row is computed alike whatever rows share the forward
-and wherever its keys sit in the cache. `to_native` switches a model over.
+weights in fp32, bf16, q8_0 or q4_1 (core/runtime/weights.py), fp32 activations (bf16 ones for bf16 weights: a bf16
+model's numerics, as on CUDA), and the whole decoder stack in one call of our kernels (core/runtime/kernels/cpu.cpp),
+where every row is computed alike whatever rows share the forward and wherever its keys sit in the cache.
+`to_native` switches a model over.
 """
 from __future__ import annotations
 
@@ -260,6 +261,7 @@ class Transformer(nn.Module):
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
         self._rope_table: tuple[Tensor, Tensor] | None = None
         self.native = False  # set by to_native
+        self.bf16_activations = False  # a native model rounding its activations to bf16 (to_native)
         self._native_args: tuple[list[Tensor], list[Tensor], list[int]] | None = None  # the stack's weights, listed
 
     @property
@@ -270,29 +272,41 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def to_native(self, fmt: str = "f32") -> bool:
+    def to_native(self, fmt: str = "f32", activations: str | None = None) -> bool:
         """Pack every weight matrix in `fmt` (f32, bf16, q8_0, q4_1) for our CPU kernels and run the decoder
         natively from then on; False (nothing done) where they do not apply (not fp32 or bf16 weights on a CPU, a
         head size without an attention kernel, no compiler). Matrices that are native already keep their format (a
-        GGUF's own blocks). The kernels compute in fp32 whatever the weights' format: a bf16 model's norms, rotary
-        table and KV cache become fp32 (exact: a bf16 value widens to the same number), its matrices stay bf16."""
+        GGUF's own blocks).
+
+        `activations`: "fp32" (the default but for bf16 weights) computes in fp32 whatever the weights' format;
+        "bf16" (bf16 weights only; their default) rounds to bf16 where a bf16 model stores a tensor (cpu.cpp:
+        round_bf16 lists where), so the kernels compute what the PyTorch path computes in bf16 on CUDA, every row
+        alike. Either way the norms, rotary table and KV cache are fp32 tensors (exact: a bf16 value widens to the
+        same number; in bf16 mode the norms' weights, biases, an untied embedding table and the rotary table are
+        rounded to bf16 first, and the cache holds bf16 values); bf16 matrices stay bf16. The draft pass over a
+        partial cache (separate mode) runs the layers one by one: its linear layers round, its glue is fp32."""
+        bf16 = fmt == "bf16" if activations is None else activations == "bf16"
+        if activations not in (None, "fp32", "bf16") or (bf16 and fmt != "bf16"):
+            raise ValueError(f"activations must be fp32, or bf16 with bf16 weights; got {activations!r} for {fmt}")
         if (self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16)
                 or self.cfg.head_dim not in cpu.HEAD_SIZES or cpu.kernel() is None):
             return False
+        if bf16:
+            self.bfloat16()  # what is not packed yet (norms, biases, an untied embedding table) holds bf16 values
         for block in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 if isinstance(getattr(block, name), nn.Linear):
-                    setattr(block, name, NativeLinear.of(getattr(block, name), fmt))
+                    setattr(block, name, NativeLinear.of(getattr(block, name), fmt, bf16))
         if isinstance(self.lm_head, nn.Linear):
-            self.lm_head = NativeLinear.of(self.lm_head, fmt)
+            self.lm_head = NativeLinear.of(self.lm_head, fmt, bf16)
             if self.cfg.tie_embeddings:  # one table: the embedding reads the lm_head's rows
                 self.embed = NativeEmbedding(self.lm_head.packed)
         if isinstance(self.embed, nn.Embedding) and self.embed.weight.dtype == torch.bfloat16:
             # an untied bf16 table stays bf16 (not widened in memory); its rows are looked up as fp32
             self.embed = NativeEmbedding(pack(self.embed.weight, "bf16"))
         self.float()  # what is left (the norms) computes in fp32
-        self._rope_table = None  # rebuilt in fp32 on the next forward
-        self.native, self._native_args = True, None
+        self._rope_table = None  # rebuilt in fp32 (of bf16 values in bf16 mode) on the next forward
+        self.native, self.bf16_activations, self._native_args = True, bf16, None
         return True
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -314,7 +328,9 @@ class Transformer(nn.Module):
         # Angles in fp32 (large positions lose precision in bf16), then cast like Hugging Face does.
         angles = torch.arange(start, end, device=self.device).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        rounded = torch.bfloat16 if self.bf16_activations else self.dtype  # a bf16 model's table, held in fp32
+        cos = (emb.cos() * self.rope_scale).to(rounded).to(self.dtype)
+        sin = (emb.sin() * self.rope_scale).to(rounded).to(self.dtype)
         if self._rope_table is not None:
             cos, sin = torch.cat([self._rope_table[0], cos]), torch.cat([self._rope_table[1], sin])
         return cos, sin
@@ -353,7 +369,7 @@ class Transformer(nn.Module):
 
     def _native_stack(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, block_mask: Tensor | None) -> Tensor:
         """The decoder stack in one call of our CPU kernels (kernels/cpu.cpp: decoder), keys and values written into
-        the cache at its committed length."""
+        the cache at its committed length; in bf16 mode rounding as a bf16 model does."""
         cfg = self.cfg
         if self._native_args is None:
             norms, lin, meta = [], [], []
@@ -369,11 +385,16 @@ class Transformer(nn.Module):
         x = x.float().contiguous()
         cpu.kernel().decoder(x, cos, sin, cache.k.transpose(2, 3), cache.v, cache.length, visible,
                              cfg.sliding_window or 0, norms, lin, meta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             cfg.rms_eps, cfg.head_dim**-0.5)
+                             cfg.rms_eps, cfg.head_dim**-0.5, self.bf16_activations)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Next-token logits (fp32) from pre-final-norm hidden states."""
+        """Next-token logits (fp32) from pre-final-norm hidden states; in bf16 mode the final norm on the kernels,
+        rounded as in the stack, and bf16 logits (the lm_head rounds), widened."""
+        if self.bf16_activations:
+            rows = hidden.reshape(-1, self.cfg.hidden_size).float()
+            normed = cpu.rms_norm(rows, self.norm.weight, self.cfg.rms_eps, True).view(hidden.shape)
+            return self.lm_head(normed)
         return self.lm_head(self.norm(hidden)).float()
 
     def forward(

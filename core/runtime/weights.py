@@ -187,23 +187,25 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[Tensor
 
 
 class NativeLinear(nn.Module):
-    """A frozen linear layer on the CPU kernel, over a packed weight in any format."""
+    """A frozen linear layer on the CPU kernel, over a packed weight in any format. `bf16_out`: its outputs rounded to
+    bf16 (a bf16 model's layer: Transformer.to_native), else fp32."""
 
-    def __init__(self, weight: PackedWeight):
+    def __init__(self, weight: PackedWeight, bf16_out: bool = False):
         super().__init__()
         self.packed = weight
         self.args = weight.kernel_args()
         self.in_features, self.out_features = weight.k, weight.n
+        self.bf16_out = bf16_out
 
     @classmethod
-    def of(cls, layer: nn.Linear, fmt: str) -> NativeLinear:
-        return cls(pack(layer.weight, fmt, layer.bias))
+    def of(cls, layer: nn.Linear, fmt: str, bf16_out: bool = False) -> NativeLinear:
+        return cls(pack(layer.weight, fmt, layer.bias), bf16_out)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        out = cpu.linear(x.reshape(-1, shape[-1]).float(), self.args)
+        out = cpu.linear(x.reshape(-1, shape[-1]).float(), self.args, self.bf16_out)
         return out.view(*shape[:-1], self.packed.n)
 
     def rows(self, ids: Tensor) -> NativeLinear:
-        """The layer of output rows `ids` only (e.g. the lm_head rows a drafting head scores)."""
-        return NativeLinear(self.packed.rows(ids))
+        """The layer of output rows `ids` only (e.g. the lm_head rows a drafting head scores), rounded alike."""
+        return NativeLinear(self.packed.rows(ids), self.bf16_out)

@@ -1,6 +1,7 @@
 // The CPU decoder's kernels: linear layers over packed fp32, bf16 or 4/8-bit weights, attention over the KV cache in
 // each row's logical key order, and the per-row glue (RMSNorm, rotary embedding, SiLU gate, residuals), with a whole
-// decoder stack in one call. Activations are fp32 whatever the weights' format.
+// decoder stack in one call. Activations are fp32 whatever the weights' format, or, for a bf16 model, rounded to bf16
+// where a bf16 model on CUDA stores them (round_bf16 lists where): the same numerics, computed here.
 //
 // Every kernel here is row-invariant by construction: a row's result is the same sequence of float operations
 // whatever other rows share the call, however many threads run and wherever the row's keys sit in the cache. So a
@@ -11,7 +12,8 @@
 // - bf16 weights widen to fp32 exactly (a bf16 is a float's upper 16 bits) and then take the fp32 arithmetic;
 // - integer dot products (quantized weights) are exact, whatever instruction computes them;
 // - a row's accumulator over k (or over keys) always runs in the same order, in one vector lane of its own;
-// - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count.
+// - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count;
+// - rounding to bf16 is a function of the one element it rounds.
 // The file is compiled once per instruction set level (build.py): AVX-512 with VNNI, AVX2, or plain C++.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -64,6 +66,31 @@ inline void bf16_to_floats(const uint16_t* h, float* out) {
   }
 #endif
 }
+
+// An fp32 value rounded to the nearest bf16 (ties to even), as a float: PyTorch's float -> bfloat16 conversion
+// (c10::BFloat16's round_to_nearest_even, NaN to its quiet NaN), so a value stored "in bf16" here is the one PyTorch
+// stores. A bf16 model (Hugging Face's Llama / Qwen2 modeling in bf16, as core/runtime/model.py's PyTorch path runs
+// it on CUDA) rounds its activations where it stores a tensor; the decoder in bf16 mode rounds at those points:
+// - every linear layer's output: the fp32 accumulation over k (plus the bias) rounded once, as a bf16 GEMM with
+//   fp32 accumulation does (q, k, v; the output projection; gate and up; down; the lm_head: bf16 logits);
+// - RMSNorm: normalised in fp32, rounded (the cast back to the input's dtype), times the bf16 weight, rounded;
+// - the rotary embedding: x * cos and rotate_half(x) * sin each rounded, their sum rounded (cos, sin bf16 values):
+//   the keys that go into the cache and the queries;
+// - attention's output (scores, softmax and the weighted sum of values in fp32 inside, as a fused attention does);
+// - SiLU: silu(gate) rounded, times up, rounded;
+// - each residual add.
+// The embedding rows, the norms' weights and the cache's keys and values are bf16 values then; the cache stores them
+// widened to fp32.
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, sizeof(bits));
+  return x;
+}
+
+// A value as a stack in bf16 mode stores it (rounded to bf16), or as it is.
+inline float store(float x, bool bf16) { return bf16 ? round_bf16(x) : x; }
 
 // 4 consecutive int8 activations as one int32 (broadcast to every lane of an integer dot product).
 inline int32_t load4(const int8_t* p) {
@@ -372,17 +399,19 @@ void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, 
 }
 
 template <int RB>
-void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float* out) {
+void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float* out, bool bf16) {
   float acc[RB][kCols];
   tile_rows<RB>(L, t, x, xq, r0, acc);
   const int64_t c0 = t * kCols, width = std::min(kCols, L.n - c0);
   for (int r = 0; r < RB; ++r)
-    for (int64_t c = 0; c < width; ++c) out[(r0 + r) * L.n + c0 + c] = L.bias ? acc[r][c] + L.bias[c0 + c] : acc[r][c];
+    for (int64_t c = 0; c < width; ++c)
+      out[(r0 + r) * L.n + c0 + c] = store(L.bias ? acc[r][c] + L.bias[c0 + c] : acc[r][c], bf16);
 }
 
-// y [R, N] = x [R, K] W^T (+ bias). Tiles are split between threads; each tile's rows in near-equal blocks of at
-// most 6 (fp32, bf16: 6 x 16 accumulators fill AVX2's registers) or 8 (quantized) rows sharing every loaded weight.
-void linear_into(const Linear& L, const float* x, int64_t R, float* out) {
+// y [R, N] = x [R, K] W^T (+ bias), rounded to bf16 once at the end if `bf16`. Tiles are split between threads; each
+// tile's rows in near-equal blocks of at most 6 (fp32, bf16: 6 x 16 accumulators fill AVX2's registers) or 8
+// (quantized) rows sharing every loaded weight.
+void linear_into(const Linear& L, const float* x, int64_t R, float* out, bool bf16) {
   QuantRows xq;
   if (quantized(L.fmt)) quantize_rows(x, R, L.k, xq);
   const int64_t T = (L.n + kCols - 1) / kCols;
@@ -393,14 +422,14 @@ void linear_into(const Linear& L, const float* x, int64_t R, float* out) {
       for (int64_t b = 0, r = 0; b < blocks; ++b) {
         const int64_t rows = (R - r + blocks - b - 1) / (blocks - b);
         switch (rows) {
-          case 1: tile_store<1>(L, t, x, xq, r, out); break;
-          case 2: tile_store<2>(L, t, x, xq, r, out); break;
-          case 3: tile_store<3>(L, t, x, xq, r, out); break;
-          case 4: tile_store<4>(L, t, x, xq, r, out); break;
-          case 5: tile_store<5>(L, t, x, xq, r, out); break;
-          case 6: tile_store<6>(L, t, x, xq, r, out); break;
-          case 7: tile_store<7>(L, t, x, xq, r, out); break;
-          default: tile_store<8>(L, t, x, xq, r, out); break;
+          case 1: tile_store<1>(L, t, x, xq, r, out, bf16); break;
+          case 2: tile_store<2>(L, t, x, xq, r, out, bf16); break;
+          case 3: tile_store<3>(L, t, x, xq, r, out, bf16); break;
+          case 4: tile_store<4>(L, t, x, xq, r, out, bf16); break;
+          case 5: tile_store<5>(L, t, x, xq, r, out, bf16); break;
+          case 6: tile_store<6>(L, t, x, xq, r, out, bf16); break;
+          case 7: tile_store<7>(L, t, x, xq, r, out, bf16); break;
+          default: tile_store<8>(L, t, x, xq, r, out, bf16); break;
         }
         r += rows;
       }
@@ -658,21 +687,21 @@ void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, con
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Per-row glue.
+// Per-row glue; with `bf16`, rounded where a bf16 model rounds (round_bf16).
 
-void rms_norm(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out) {
+void rms_norm(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out, bool bf16) {
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * H;
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[r * H + i] = w[i] * (xr[i] * inv);
+    for (int64_t i = 0; i < H; ++i) out[r * H + i] = store(w[i] * store(xr[i] * inv, bf16), bf16);
   }
 }
 
 // Rotary embedding ("rotate half") of `heads` heads of size D in place; cos/sin rows [R, D].
-void rope(float* x, int64_t R, int64_t ld, int64_t heads, int64_t D, const float* cos, const float* sin) {
+void rope(float* x, int64_t R, int64_t ld, int64_t heads, int64_t D, const float* cos, const float* sin, bool bf16) {
   const int64_t half = D / 2;
   std::vector<float> tmp(D);
   for (int64_t r = 0; r < R; ++r)
@@ -680,21 +709,23 @@ void rope(float* x, int64_t R, int64_t ld, int64_t heads, int64_t D, const float
       float* v = x + r * ld + h * D;
       const float* c = cos + r * D;
       const float* s = sin + r * D;
-      for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * c[i] - v[i + half] * s[i];
-      for (int64_t i = half; i < D; ++i) tmp[i] = v[i] * c[i] + v[i - half] * s[i];
+      for (int64_t i = 0; i < half; ++i)
+        tmp[i] = store(store(v[i] * c[i], bf16) - store(v[i + half] * s[i], bf16), bf16);
+      for (int64_t i = half; i < D; ++i)
+        tmp[i] = store(store(v[i] * c[i], bf16) + store(v[i - half] * s[i], bf16), bf16);
       std::copy(tmp.begin(), tmp.end(), v);
     }
 }
 
 // out[r][i] = silu(gate[r][i]) * up[r][i], gate and up the two halves of gu's rows.
-void silu_gate(const float* gu, int64_t R, int64_t I, float* out) {
+void silu_gate(const float* gu, int64_t R, int64_t I, float* out, bool bf16) {
   for (int64_t r = 0; r < R; ++r) {
     const float* g = gu + r * 2 * I;
     const float* u = g + I;
     for (int64_t i = 0; i < I; ++i) {
       const float e = exp_nonpositive(-std::fabs(g[i]));
       const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-      out[r * I + i] = (g[i] * sig) * u[i];
+      out[r * I + i] = store(store(g[i] * sig, bf16) * u[i], bf16);
     }
   }
 }
@@ -830,12 +861,12 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
 
 // y [R, N] = x [R, K] W^T (+ bias) for a packed weight (see Linear).
 torch::Tensor linear(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tensor d, torch::Tensor m,
-                     torch::Tensor bias, int64_t n) {
+                     torch::Tensor bias, int64_t n, bool bf16) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear: x must be float32 [R, K]");
   x = x.contiguous();
   const Linear L = linear_from(fmt, a, d, m, bias, n, x.size(1));
   auto out = torch::empty({x.size(0), n}, x.options());
-  linear_into(L, x.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+  linear_into(L, x.data_ptr<float>(), x.size(0), out.data_ptr<float>(), bf16);
   return out;
 }
 
@@ -855,19 +886,20 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t 
   return out;
 }
 
-torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps, bool bf16) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32");
   x = x.contiguous();
   auto out = torch::empty_like(x);
   rms_norm(x.data_ptr<float>(), w.contiguous().data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps),
-           out.data_ptr<float>());
+           out.data_ptr<float>(), bf16);
   return out;
 }
 
-torch::Tensor silu_gate_rows(torch::Tensor gu) {
+torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
   gu = gu.contiguous();
   const int64_t I = gu.size(1) / 2;
   auto out = torch::empty({gu.size(0), I}, gu.options());
-  silu_gate(gu.data_ptr<float>(), gu.size(0), I, out.data_ptr<float>());
+  silu_gate(gu.data_ptr<float>(), gu.size(0), I, out.data_ptr<float>(), bf16);
   return out;
 }
 
@@ -876,11 +908,12 @@ torch::Tensor silu_gate_rows(torch::Tensor gu) {
 // output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
 // residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers; `norms` holds two weights
 // per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format, n) per linear
-// layer, four linear layers per layer (qkv, o, gate/up, down).
+// layer, four linear layers per layer (qkv, o, gate/up, down). With `bf16` the stack rounds to bf16 where a bf16
+// model does (round_bf16), x, cos and sin holding bf16 values.
 torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
                       int64_t past, torch::Tensor vis, int64_t window, std::vector<torch::Tensor> norms,
                       std::vector<torch::Tensor> lin, std::vector<int64_t> meta, int64_t n_heads, int64_t n_kv,
-                      int64_t head_dim, double eps, double scale) {
+                      int64_t head_dim, double eps, double scale, bool bf16) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decoder: x float32 [n, hidden]");
   TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat, "decoder: float32 cache");
   const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
@@ -900,12 +933,12 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
       Ls[j] = linear_from(meta[(l * 4 + j) * 2], lin[at_], lin[at_ + 1], lin[at_ + 2], lin[at_ + 3],
                           meta[(l * 4 + j) * 2 + 1], k_in);
     }
-    rms_norm(xp, norms[l * 2].data_ptr<float>(), n, H, static_cast<float>(eps), h.data());
+    rms_norm(xp, norms[l * 2].data_ptr<float>(), n, H, static_cast<float>(eps), h.data(), bf16);
     qkv.resize(n * (q_dim + 2 * kv_dim));
-    linear_into(Ls[0], h.data(), n, qkv.data());
+    linear_into(Ls[0], h.data(), n, qkv.data(), bf16);
     const int64_t ld = q_dim + 2 * kv_dim;
-    rope(qkv.data(), n, ld, n_heads, D, cs.data_ptr<float>(), sn.data_ptr<float>());
-    rope(qkv.data() + q_dim, n, ld, n_kv, D, cs.data_ptr<float>(), sn.data_ptr<float>());
+    rope(qkv.data(), n, ld, n_heads, D, cs.data_ptr<float>(), sn.data_ptr<float>(), bf16);
+    rope(qkv.data() + q_dim, n, ld, n_kv, D, cs.data_ptr<float>(), sn.data_ptr<float>(), bf16);
     auto kl = kc[l], vl = vc[l];
     float* kp = kl.data_ptr<float>();
     float* vp = vl.data_ptr<float>();
@@ -927,26 +960,32 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
     for (int64_t i = 0; i < n; ++i)
       for (int64_t hq = 0; hq < n_heads; ++hq) {
         const int64_t hk = hq / G, g = hq % G;
-        std::copy(&og[((hk * G + g) * n + i) * D], &og[((hk * G + g) * n + i) * D] + D, &att[i * q_dim + hq * D]);
+        for (int64_t j = 0; j < D; ++j) att[i * q_dim + hq * D + j] = store(og[((hk * G + g) * n + i) * D + j], bf16);
       }
-    linear_into(Ls[1], att.data(), n, y.data());
-    for (int64_t i = 0; i < n * H; ++i) xp[i] += y[i];
-    rms_norm(xp, norms[l * 2 + 1].data_ptr<float>(), n, H, static_cast<float>(eps), h.data());
+    linear_into(Ls[1], att.data(), n, y.data(), bf16);
+    for (int64_t i = 0; i < n * H; ++i) xp[i] = store(xp[i] + y[i], bf16);
+    rms_norm(xp, norms[l * 2 + 1].data_ptr<float>(), n, H, static_cast<float>(eps), h.data(), bf16);
     gu.resize(n * Ls[2].n);
-    linear_into(Ls[2], h.data(), n, gu.data());
+    linear_into(Ls[2], h.data(), n, gu.data(), bf16);
     act.resize(n * Ls[2].n / 2);
-    silu_gate(gu.data(), n, Ls[2].n / 2, act.data());
-    linear_into(Ls[3], act.data(), n, y.data());
-    for (int64_t i = 0; i < n * H; ++i) xp[i] += y[i];
+    silu_gate(gu.data(), n, Ls[2].n / 2, act.data(), bf16);
+    linear_into(Ls[3], act.data(), n, y.data(), bf16);
+    for (int64_t i = 0; i < n * H; ++i) xp[i] = store(xp[i] + y[i], bf16);
   }
   return x;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight");
+  // `bf16`: round to bf16 where a bf16 model does (round_bf16); fp32 activations without it
+  m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight", py::arg("x"), py::arg("fmt"), py::arg("a"),
+        py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("n"), py::arg("bf16") = false);
   m.def("attend", &attend, "attention in each row's logical key order");
-  m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row");
-  m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row");
-  m.def("decoder", &decoder, "a decoder stack over a block of new tokens, in place");
+  m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row", py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("bf16") = false);
+  m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row", py::arg("gu"), py::arg("bf16") = false);
+  m.def("decoder", &decoder, "a decoder stack over a block of new tokens, in place", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::arg("kc"), py::arg("vc"), py::arg("past"), py::arg("vis"), py::arg("window"),
+        py::arg("norms"), py::arg("lin"), py::arg("meta"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
+        py::arg("eps"), py::arg("scale"), py::arg("bf16") = false);
   m.def("draw", &draw, "the token drawn from one row of logits");
 }

@@ -32,9 +32,16 @@ def kernel() -> Any | None:
     return build("cpu", SOURCE)
 
 
-def linear(x: Tensor, weight: WeightArgs) -> Tensor:
-    """x [R, K] W^T (+ bias), float32."""
-    return kernel().linear(x, *weight)
+def linear(x: Tensor, weight: WeightArgs, bf16: bool = False) -> Tensor:
+    """x [R, K] W^T (+ bias), float32; with `bf16` each output rounded to bf16 once, after the fp32 accumulation (a
+    bf16 GEMM's output)."""
+    return kernel().linear(x, *weight, bf16)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, bf16: bool = False) -> Tensor:
+    """RMSNorm of each row of x [R, H] (float32); with `bf16` rounded as a bf16 model rounds it: the normalised row
+    rounded to bf16, times the weight, rounded again."""
+    return kernel().rms_norm(x, weight, eps, bf16)
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, n: int, past: int, visible: Tensor | None, window: int | None,
