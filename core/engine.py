@@ -19,7 +19,7 @@ from torch import Tensor
 from core.generation.decoding import Generation, GenerationConfig, Step, StepFunction, vanilla_steps
 from core.runtime.compiled import CompiledRunner
 from core.runtime.kv_cache import KVCache, PartialKVCache
-from core.runtime.loading import LoadedModel, load_model, resolve
+from core.runtime.loading import LoadedModel, load_model, release_freed_memory, resolve
 from core.runtime.model import Transformer
 from core.tokenswift.heads import DraftHeads, HeadsError, load_heads
 from core.tokenswift.options import DraftPlan, TokenSwiftOptions
@@ -83,6 +83,7 @@ class Engine:
         # engine: kept out of the garbage collector's passes, which would otherwise walk it during generation.
         gc.collect()
         gc.freeze()
+        release_freed_memory()
 
     @classmethod
     def load(cls, spec: str | None = None, heads: str | Path | None = "default", device: str | None = None,

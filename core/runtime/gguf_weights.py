@@ -4,6 +4,10 @@ Q8_0 and Q4_1 tensors keep their own numbers (GGML's block layouts read byte for
 fp32 tiles; other GGML types are refused with a message (`--weights fp32` runs them dequantized). The query and key
 projections come back from llama.cpp's rotary row order to Hugging Face's by permuting whole rows, which leaves
 every block intact (the same permutation transformers applies when it dequantizes the file).
+
+Memory: each tensor is read into memory of its own and packed before the next is read (core/runtime/gguf_file.py:
+no mapping of the whole file, no metadata objects), the largest matrix (the embedding table) first, while little
+else is resident, and the decoder is built as a skeleton (core/runtime/skeleton.py) whose weights are then set.
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from core.runtime.gguf_file import read_table, read_tensor
 from core.runtime.model import ModelConfig, NativeEmbedding, Transformer, rope_frequencies
+from core.runtime.skeleton import skeleton
 from core.runtime.weights import NativeLinear, PackedWeight, from_blocks, from_gguf_blocks, pack
 
 NATIVE_TYPES = ("F32", "F16", "Q8_0", "Q4_1")
@@ -23,33 +29,34 @@ class GGUFTensors:
     """The named tensors of one GGUF file, read on demand."""
 
     def __init__(self, path: Path):
-        import gguf  # slow to import; only GGUF loads need it
-
         self.path = path
-        self.tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+        self.tensors = read_table(path)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
 
     def kind(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].kind
+
+    def data(self, name: str) -> np.ndarray:
+        return read_tensor(self.path, self.tensors[name])
 
     def vector(self, name: str) -> Tensor:
-        return torch.from_numpy(np.array(self.tensors[name].data, dtype=np.float32)).reshape(-1)
+        return torch.from_numpy(np.asarray(self.data(name), dtype=np.float32)).reshape(-1)
 
     def matrix(self, name: str, row_order: np.ndarray | None = None) -> tuple[str, Tensor, Tensor | None,
                                                                                 Tensor | None]:
         """(format, values or fp32 weight [n, k], scales, mins) of a 2-D tensor, rows in `row_order` if given."""
         t = self.tensors[name]
-        kind = t.tensor_type.name
+        kind = t.kind
         if kind not in NATIVE_TYPES:
             raise ValueError(f"{self.path.name}: tensor {name} is {kind}; the CPU kernels run "
                              f"{', '.join(NATIVE_TYPES)} (run it dequantized with --weights fp32)")
         k, n = (int(x) for x in t.shape)  # GGML lists the row length first
         if kind in ("F32", "F16"):
-            w = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(n, k)
+            w = torch.from_numpy(np.asarray(self.data(name), dtype=np.float32)).reshape(n, k)
             return "f32", (w if row_order is None else w[row_order]), None, None
-        q, d, m = from_gguf_blocks(kind, np.asarray(t.data), n, k)
+        q, d, m = from_gguf_blocks(kind, self.data(name), n, k)
         if row_order is not None:
             q, d, m = q[row_order], d[row_order], None if m is None else m[row_order]
         return kind.lower(), q, d, m
@@ -66,6 +73,9 @@ def fused(parts: list[tuple[str, Tensor, Tensor | None, Tensor | None]], bias: T
     if len(formats) != 1:
         raise ValueError(f"fused projections mix weight formats {sorted(formats)}; run with --weights fp32")
     fmt = formats.pop()
+    if len(parts) == 1:  # nothing to stack: no copy of the weight
+        _, q, d, m = parts[0]
+        return pack(q, "f32", bias) if fmt == "f32" else from_blocks(fmt, q, d, m, bias)
     if fmt == "f32":
         return pack(torch.cat([w for _, w, _, _ in parts]), "f32", bias)
     q = torch.cat([p[1] for p in parts])
@@ -77,7 +87,7 @@ def fused(parts: list[tuple[str, Tensor, Tensor | None, Tensor | None]], bias: T
 def build_native_model(cfg: ModelConfig, path: Path) -> Transformer:
     """The decoder with every matrix in its GGUF format, on the CPU, running natively."""
     f = GGUFTensors(path)
-    with torch.device("meta"):
+    with skeleton():
         model = Transformer(cfg)
 
     def norm(module: nn.Module, name: str) -> None:
@@ -91,6 +101,10 @@ def build_native_model(cfg: ModelConfig, path: Path) -> Transformer:
         biases = [bias(f"{name}.bias") for name in names]
         return NativeLinear(fused(parts, torch.cat(biases) if all(b is not None for b in biases) else None))
 
+    # the largest matrices first, while nothing else is resident: their transient copies then set no peak
+    model.lm_head = linear("output" if f.has("output.weight") else "token_embd")
+    table = model.lm_head.packed if not f.has("output.weight") else linear("token_embd").packed
+    model.embed = NativeEmbedding(table)
     q_rows, k_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     for i, block in enumerate(model.layers):
         p = f"blk.{i}."
@@ -103,9 +117,6 @@ def build_native_model(cfg: ModelConfig, path: Path) -> Transformer:
         block.w_gate_up = linear(p + "ffn_gate", p + "ffn_up")
         block.w_down = linear(p + "ffn_down")
     norm(model.norm, "output_norm.weight")
-    model.lm_head = linear("output" if f.has("output.weight") else "token_embd")
-    table = model.lm_head.packed if not f.has("output.weight") else linear("token_embd").packed
-    model.embed = NativeEmbedding(table)
     model.inv_freq = rope_frequencies(cfg)[0]
     model.native = True
     return model.eval().requires_grad_(False)

@@ -8,6 +8,9 @@ corrupt cache entry is detected by its manifest and rebuilt.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import hashlib
 import importlib.util
 import json
@@ -17,14 +20,16 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from core.runtime.gguf_weights import build_native_model
 from core.runtime.kernels.cpu import HEAD_SIZES, kernel
-from core.runtime.model import ModelConfig, Transformer, build_model
+from core.runtime.model import SUPPORTED_ARCHITECTURES, ModelConfig, Transformer, build_model
 from core.runtime.paths import ASSETS, cache_root
+from core.runtime.tokenizer import plain_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -65,6 +70,23 @@ class LoadedModel:
         return ASSETS / "heads" / alias.heads if alias else None
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). A load frees many
+    transient copies of weights whose memory the C allocator keeps in its heap, counted as the process's own, while
+    the generation that follows allocates far less."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -95,6 +117,9 @@ def load_model(spec: str | None = None, device: str | None = None, weights: str 
         cfg = ModelConfig.from_hf(hf_config)
     except ValueError as e:
         raise ModelLoadError(f"{spec}: {e}") from None
+    # The tokenizer first: reading its file costs several times what it keeps, a peak better paid before the
+    # weights are resident than after.
+    tokenizer = load_tokenizer(folder)
     native = native and cpu and cfg.head_dim in HEAD_SIZES and kernel() is not None
     gguf = gguf_source(folder)
     if native and weights == "auto" and gguf is not None:
@@ -102,14 +127,16 @@ def load_model(spec: str | None = None, device: str | None = None, weights: str 
             model = build_native_model(cfg, gguf)
         except ValueError as e:
             raise ModelLoadError(f"{spec}: {e}") from None
-        return LoadedModel(spec, model, load_tokenizer(folder), cfg, f"{source}, as stored", folder)
-    dtype = torch.bfloat16 if weights == "bf16" or (weights == "auto" and not cpu) else torch.float32
-    model = build_model(cfg, read_weights(folder, dtype), device=device, dtype=dtype)
-    if native:
-        fmt = FORMATS.get(weights, "f32")
-        model.to_native(fmt)
-        source += f", {fmt}"
-    return LoadedModel(spec, model, load_tokenizer(folder), cfg, source, folder)
+        source += ", as stored"
+    else:
+        dtype = torch.bfloat16 if weights == "bf16" or (weights == "auto" and not cpu) else torch.float32
+        model = build_model(cfg, read_weights(folder, dtype), device=device, dtype=dtype)
+        if native:
+            fmt = FORMATS.get(weights, "f32")
+            model.to_native(fmt)
+            source += f", {fmt}"
+    release_freed_memory()  # the weights' transient copies
+    return LoadedModel(spec, model, tokenizer, cfg, source, folder)
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -241,12 +268,40 @@ def converted_gguf(gguf: Path, name: str) -> Path:
 # --- reading a checkpoint folder ---------------------------------------------------------------------------------
 
 def read_config(folder: Path) -> Any:
-    from transformers import AutoConfig  # slow to import; only loads need it
+    """The checkpoint's config as ModelConfig.from_hf reads it: config.json itself where it states everything
+    from_hf reads (plain_config), else transformers' AutoConfig."""
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{folder}: unreadable config.json ({e})") from None
+    plain = plain_config(raw) if isinstance(raw, dict) else None
+    if plain is not None:
+        return plain
+    from transformers import AutoConfig  # slow to import, and it pulls in torch._dynamo
 
     try:
         return AutoConfig.from_pretrained(folder)
     except Exception as e:
         raise ModelLoadError(f"{folder}: unreadable config.json ({e})") from None
+
+
+# What a config.json must state to be read without transformers: the values ModelConfig.from_hf reads whose default,
+# when absent, is the config class's own (and differs between architectures and transformers versions).
+STATED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id",
+          "tie_word_embeddings")
+
+
+def plain_config(raw: dict[str, Any]) -> SimpleNamespace | None:
+    """config.json as attributes, where transformers would give from_hf the same values: every STATED key present
+    (Mistral's sliding_window too), a known architecture, and the default rotary embedding with its theta stated (a
+    scaling's parameters are normalised by transformers, so those configs go through it). None otherwise."""
+    rope = raw.get("rope_parameters") or {}
+    plain = (raw.get("model_type") in SUPPORTED_ARCHITECTURES and all(k in raw for k in STATED)
+             and (raw["model_type"] != "mistral" or "sliding_window" in raw)
+             and not raw.get("rope_scaling") and isinstance(rope, dict) and set(rope) <= {"rope_type", "rope_theta"}
+             and rope.get("rope_type", "default") == "default" and ("rope_theta" in rope or "rope_theta" in raw))
+    return SimpleNamespace(**raw) if plain else None
 
 
 def read_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -284,6 +339,11 @@ def read_safetensors(path: Path, cast: Callable[[torch.Tensor], torch.Tensor]) -
 
 
 def load_tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
+    """The folder's tokenizer: read by the `tokenizers` library alone where that gives transformers' very ids
+    (core/runtime/tokenizer.py), else transformers' AutoTokenizer."""
+    plain = plain_tokenizer(folder)
+    if plain is not None:
+        return plain
+    from transformers import AutoTokenizer  # slow to import, and it pulls in torch._dynamo
 
     return AutoTokenizer.from_pretrained(folder)

@@ -14,6 +14,7 @@ it computes what an fp32 tile of the widened weight computes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,23 +87,23 @@ class PackedWeight:
         """The weight of output rows `ids` only (same numbers, repacked): e.g. the lm_head rows drafting scores."""
         if self.fmt in DENSE:
             return pack(self.matrix()[ids], self.fmt)
-        q, d, m = self.blocks()
-        return from_blocks(self.fmt, q[ids], d[ids], None if m is None else m[ids])
+        return from_blocks(self.fmt, *self.blocks(ids))
 
     def matrix(self) -> Tensor:
         """A dense format's weight [n, k] in its own dtype (fp32 or bf16): a view of the tiles, nothing widened."""
         return self.data.transpose(1, 2).reshape(-1, self.k)[: self.n]
 
-    def blocks(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Quantized values [n, k], scales [n, k/32] (and mins) in row order: what `from_blocks` packs."""
-        t, b = self.data.shape[0], self.k // BLOCK
-        d = self.d.permute(0, 2, 1).reshape(t * COLS, b)[: self.n]
+    def blocks(self, ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Quantized values [n, k], scales [n, k/32] (and mins) in row order: what `from_blocks` packs. With `ids`,
+        those rows only, and nothing else unpacked (a vocabulary's rows of a large lm_head)."""
+        ids = torch.arange(self.n) if ids is None else ids
+        t, b, tile, col = self.data.shape[0], self.k // BLOCK, ids // COLS, ids % COLS
+        d = self.d[tile, :, col]  # [len, b]
         if self.fmt == "q8_0":
-            q = self.data.view(t, b, 8, COLS, 4).permute(0, 3, 1, 2, 4).reshape(t * COLS, self.k)[: self.n]
-            return q, d, None
-        packed = self.data.view(t, b, 4, COLS, 4)
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).permute(0, 3, 1, 2, 4).reshape(t * COLS, self.k)
-        return q[: self.n], d, self.m.permute(0, 2, 1).reshape(t * COLS, b)[: self.n]
+            return self.data.view(t, b, 8, COLS, 4)[tile, :, :, col, :].reshape(len(ids), self.k), d, None
+        packed = self.data.view(t, b, 4, COLS, 4)[tile, :, :, col, :]  # [len, b, 4, 4]: low and high nibbles
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(len(ids), self.k)
+        return q, d, self.m[tile, :, col]
 
 
 def _pad_rows(x: Tensor) -> Tensor:
@@ -128,8 +129,23 @@ def from_blocks(fmt: str, q: Tensor, d: Tensor, m: Tensor | None = None, bias: T
     return PackedWeight("q4_1", n, k, tiles, scales, mins, bias)
 
 
+QUANTIZE_ROWS = 256  # rows quantized at a time: the fp32 temporaries stay small whatever the weight's size
+
+
+def _by_rows(quantize: Callable[[Tensor], tuple[Tensor, ...]], w: Tensor) -> tuple[Tensor, ...]:
+    """`quantize` of w, QUANTIZE_ROWS rows at a time, stacked: a block never spans two rows, so every number is the
+    one a single call would give."""
+    parts = [quantize(w[i:i + QUANTIZE_ROWS]) for i in range(0, w.shape[0], QUANTIZE_ROWS)]
+    return tuple(torch.cat(found) for found in zip(*parts))
+
+
 def quantize_q8_0(w: Tensor) -> tuple[Tensor, Tensor]:
     """GGML's q8_0 of an fp32 [n, k] weight: int8 values and fp16 scales per block of 32."""
+    q, d = _by_rows(_quantize_q8_0, w)
+    return q, d
+
+
+def _quantize_q8_0(w: Tensor) -> tuple[Tensor, Tensor]:
     blocks = w.float().reshape(w.shape[0], -1, BLOCK)
     d = blocks.abs().amax(-1) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
@@ -139,6 +155,11 @@ def quantize_q8_0(w: Tensor) -> tuple[Tensor, Tensor]:
 
 def quantize_q4_1(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """GGML's q4_1 of an fp32 [n, k] weight: values 0..15, fp16 scales and mins per block of 32."""
+    q, d, m = _by_rows(_quantize_q4_1, w)
+    return q, d, m
+
+
+def _quantize_q4_1(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     blocks = w.float().reshape(w.shape[0], -1, BLOCK)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
     d = (hi - lo) / 15

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from core.runtime.model import ModelConfig, RMSNorm, Transformer
+from core.runtime.skeleton import skeleton
 from core.runtime.weights import NativeLinear
 
 FORMAT = "tokenswift-heads/1"
@@ -235,7 +236,8 @@ def load_heads(path: Path, model: Transformer, base_model: str = "") -> DraftHea
     try:
         meta = read_metadata(path)
         with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            # copies: a tensor the heads kept from the file would keep its whole mapping resident
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as e:
         raise HeadsError(f"heads file {path} is unreadable: {e}") from None
     if meta.get("format") != FORMAT:
@@ -247,9 +249,10 @@ def load_heads(path: Path, model: Transformer, base_model: str = "") -> DraftHea
     root_width = tensors["root.up.weight"].shape[0] if "root.up.weight" in tensors else 0
     if root_width:
         tensors.setdefault("root.ids", torch.empty(0, dtype=torch.long))  # files that score all the heads' ids
-    heads = DraftHeads(model.cfg.hidden_size, int(meta["n_heads"]), model.cfg.rms_eps, tensors.get("vocab"),
-                       root_width, tensors.get("root.ids"))
-    heads.load_state_dict(tensors)
+    with skeleton():  # weights are the file's: none initialised, none copied
+        heads = DraftHeads(model.cfg.hidden_size, int(meta["n_heads"]), model.cfg.rms_eps, tensors.get("vocab"),
+                           root_width, tensors.get("root.ids"))
+    heads.load_state_dict(tensors, assign=True)
     heads.root_chain = int(meta.get("root_chain", 1))
     heads.meta = meta  # type: ignore[attr-defined]
     return heads.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)

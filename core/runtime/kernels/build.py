@@ -70,9 +70,6 @@ def build(name: str, source: Path) -> Any | None:
     key_name = f"{name}-{level}"
     if key_name in _MODULES:
         return _MODULES[key_name]
-    # torch's C++ extension tooling is imported only when a kernel is first built or loaded: it is slow to import
-    from torch.utils.cpp_extension import load
-
     flags = [*COMMON_FLAGS, *LEVELS[level][1]]
     text = source.read_text()
     key = hashlib.sha256((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
@@ -82,13 +79,38 @@ def build(name: str, source: Path) -> Any | None:
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.which("ninja") is None:  # requirements.txt's ninja sits beside the interpreter, maybe not on PATH
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        built = (folder / f"{module_name}.so").exists()
-        log.info("%s the %s kernels (%s) in %s", "loading" if built else "building", name, level, folder)
-        module = load(name=module_name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                      build_directory=str(folder), verbose=False)
+        built = folder / f"{module_name}.so"
+        log.info("%s the %s kernels (%s) in %s", "loading" if built.exists() else "building", name, level, folder)
+        # torch's build holds the folder's lock file until the extension is linked: no half-written file is read
+        done = built.exists() and not (folder / "lock").exists()
+        module = import_built(built, module_name) if done else None
+        if module is None:
+            # torch's C++ extension tooling (and setuptools with it: slow to import, and memory held for good) only
+            # when a kernel has to be built
+            from torch.utils.cpp_extension import load
+
+            module = load(name=module_name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                          build_directory=str(folder), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: fall back, do not fail generation
         module = None
         warnings.warn(f"CPU {name} kernels unavailable ({exc.__class__.__name__}: {exc}); using PyTorch's operators",
                       RuntimeWarning, stacklevel=3)
     _MODULES[key_name] = module
+    return module
+
+
+def import_built(path: Path, module_name: str) -> Any | None:
+    """An extension built before, imported as torch's `load` imports it once built (its key covers the source, the
+    flags and torch's version, so it is this source's build); None if it does not import (then `load` rebuilds)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        log.info("the built kernels in %s do not import (%s); building them again", path.parent, exc)
+        return None
     return module
