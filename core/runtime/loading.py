@@ -101,8 +101,8 @@ def load_model(spec: str | None = None, device: str | None = None, weights: str 
 
     `weights`: `auto` runs the file's own format (a GGUF's blocks on a CPU, else fp32; bf16 on CUDA), `fp32` and
     `bf16` dequantized (a GGUF's blocks to fp32, then rounded to bf16), `q8` / `q4` quantized on load (q8_0 / q4_1,
-    CPU only). On a CPU the model runs natively (Transformer.to_native: bf16 matrices stay bf16, activations fp32)
-    unless `native` is False or the kernels cannot be built.
+    CPU only). On a CPU the model runs natively (Transformer.to_native: bf16 matrices stay bf16, and activations
+    round to bf16 as on CUDA) unless `native` is False or the kernels cannot be built.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
