@@ -10,15 +10,9 @@ from dataclasses import replace
 import torch
 
 from core.engine import Engine
+from core.generation.agreement import first_divergence
 from core.generation.decoding import GenerationConfig, Result
 from core.generation.sampling import Sampler
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @torch.inference_mode()

@@ -334,7 +334,7 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int],
                 for p, k in pairs:
                     if (m, p, k) in by and ("ar", p, k) in by:
                         a, b = by[("ar", p, k)].token_ids[:L], by[(m, p, k)].token_ids[:L]
-                        diffs.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+                        diffs.append(first_divergence(a, b))
                         if diffs[-1] is not None:
                             found = divergences.get((m, p, k))
                             explained = found.to_dict() if found is not None and found.position == diffs[-1] else {}
