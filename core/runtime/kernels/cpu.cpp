@@ -314,7 +314,9 @@ inline void q4_block(const uint8_t* w, const QuantRows& x, int64_t r0, int64_t b
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The quantized tile with every accumulator in a register: the same arithmetic as tile_rows' portable loop (each
 // block's exact integer dot product, then fma(isum, d_w * d_x, acc), then fma(m_w, d_x * sum q_x, acc) for q4_1),
-// with the block after next prefetched while this one is multiplied.
+// with the block kAhead on prefetched while this one is multiplied (and its scales): far enough ahead that memory's
+// latency is hidden, not only the cache's.
+constexpr int64_t kAhead = 8;
 template <int RB, bool Q4>
 void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
   constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
@@ -327,8 +329,10 @@ void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t 
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* wb = wq + b * bytes;
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * bytes + line),
-                                                                _MM_HINT_T0);
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kAhead * bytes + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAhead) * kCols), _MM_HINT_T0);
+    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAhead) * kCols), _MM_HINT_T0);
     __m512i w[8];
     if constexpr (Q4) {
       for (int g = 0; g < 4; ++g) {
@@ -525,11 +529,18 @@ void scores(const float* q, int64_t R, const float* kt, int64_t ks, int64_t s0, 
       src = pad;
       stride = kTile;
     }
+    // the next tile's keys (D rows of kTile floats, each its own stream) are fetched while this one is multiplied:
+    // the hardware prefetcher follows too few streams at once to have them in time
+    if (t0 + kTile < n)
+      for (int j = 0; j < D; ++j)
+        for (int64_t l = 0; l < kTile; l += 16) __builtin_prefetch(kt + s0 + t0 + kTile + j * ks + l, 0, 3);
     for_row_blocks(R, [&](auto rows, int64_t r) {
       score_tile<decltype(rows)::value, D>(q + r * D, src, stride, width, p + r * ldp + t0, ldp);
     });
   }
 }
+
+constexpr int64_t kValuesAhead = 16;  // value rows prefetched ahead (prefetches past the cache's end are harmless)
 
 // acc[r][i] += sum over l < n of w[r][l] * v[l][i], l in order, RB rows sharing every loaded value row.
 template <int RB, int D>
@@ -539,6 +550,7 @@ inline void value_tile(const float* w, int64_t ldw, const float* v, int64_t n, f
     for (int i = 0; i < D; ++i) a[r][i] = acc[r * D + i];
   for (int64_t l = 0; l < n; ++l) {
     const float* vl = v + l * D;
+    for (int i = 0; i < D; i += 16) __builtin_prefetch(vl + kValuesAhead * D + i, 0, 3);
     for (int r = 0; r < RB; ++r) {
       const float wl = w[r * ldw + l];
 #pragma omp simd
