@@ -93,7 +93,8 @@ def test_quantized_formats_keep_ggmls_numbers() -> None:
         assert torch.equal(again.data, p.data) and torch.equal(again.d, p.d)
         ids = torch.tensor([0, 36, 17])
         assert torch.equal(p.rows(ids).dequantize(), p.dequantize()[ids])
-        assert torch.equal(p.dequantize_rows(ids), p.dequantize()[ids])
+        assert torch.equal(p.dequantize_rows(ids), p.dequantize()[ids])  # the kernel's lookup
+        assert torch.equal(p.unpack_rows(ids), p.dequantize()[ids])  # PyTorch's, where no kernel is built
 
 
 def test_bf16_weights_stay_bf16_and_compute_as_fp32_tiles_of_the_same_numbers() -> None:
@@ -109,6 +110,7 @@ def test_bf16_weights_stay_bf16_and_compute_as_fp32_tiles_of_the_same_numbers() 
     ids = torch.tensor([0, 36, 17])
     assert torch.equal(packed.rows(ids).dequantize(), rounded.float()[ids]) and packed.rows(ids).fmt == "bf16"
     assert torch.equal(packed.dequantize_rows(ids), rounded.float()[ids])
+    assert torch.equal(packed.unpack_rows(ids), rounded.float()[ids])
     widened = pack(rounded.float(), "f32", b)
     x = torch.randn(20, 80)
     for rows in (1, 6, 7, 20):

@@ -12,7 +12,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from core.generation.sampling import PRESETS, Sampler, SamplingSettings, apply_penalty, filter_logits, gumbel_noise
+from core.generation.sampling import (
+    PRESETS,
+    Sampler,
+    SamplingSettings,
+    apply_penalty,
+    filter_logits,
+    gumbel_noise,
+    rank_drafts,
+)
 from core.runtime.kernels.cpu import kernel
 
 # chi-square critical values at p = 0.001 for the degrees of freedom used below
@@ -145,3 +153,26 @@ def test_draft_scores_process_a_drafter_as_scores_process_the_model(name: str) -
     sub = sampler.draft_scores(logits[:, ids], ids)
     assert torch.equal(sub, Sampler(settings, 4, banned=(1,)).scores(logits[:, ids], window))
     assert bool(torch.isinf(sub[:, 1]).all())
+
+
+@pytest.mark.parametrize("name", ["studio", "paper", "greedy"])
+@pytest.mark.parametrize("subset", [True, False], ids=["ids", "vocabulary"])
+def test_the_kernels_rank_drafts_as_pytorch_does(name: str, subset: bool) -> None:
+    """Sampler.rank_drafts in one kernel call (the draw's own filters, then each survivor's Gumbel noise) proposes
+    the same drafts, in the same order and with the same chances, as PyTorch's operators: draft_scores plus the
+    noise, softmax, top-k. Banned ids are never proposed."""
+    assert kernel() is not None, "the CPU kernels did not build"
+    vocab = 5000
+    sampler = Sampler(PRESETS[name].with_(seed=11), vocab, banned=(2, 7))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randperm(vocab, generator=gen)[:2048] if subset else None
+    ids = torch.cat([torch.tensor([2, 7]), ids[2:]]) if subset else None  # banned ids among the columns
+    logits = torch.randn(4, 2048 if subset else vocab, generator=gen)
+    logits[:, [0, 1] if subset else [2, 7]] += 20  # the banned tokens would be every row's top drafts
+    got_ids, got_p = sampler.rank_drafts(logits, 5, 300, ids)
+    noise = None if sampler.s.greedy else torch.stack([sampler.noise(300 + i, ids) for i in range(4)])
+    want_ids, want_p = rank_drafts(sampler.draft_scores(logits, ids), 5, noise, ids)
+    assert bool((want_p > 0).all())  # (tokens the filters cut have no order to compare)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.allclose(got_p, want_p, rtol=1e-5, atol=1e-7)
+    assert not bool(torch.isin(got_ids, torch.tensor([2, 7])).any())

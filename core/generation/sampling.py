@@ -149,6 +149,25 @@ def gumbel_noise(seed: int, position: int, ids: Tensor | int) -> Tensor:
     return torch.from_numpy((-np.log(-np.log(u))).astype(np.float32))
 
 
+def rank_drafts(scores: Tensor, k: int, noise: Tensor | None = None,
+                ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-k token ids and their estimated chance of being drawn, per row of a drafter's scores [rows, V'] (its
+    logits processed as the sampler processes the model's: Sampler.draft_scores): [rows, k] each. Column j scores
+    token ids[j] (None or empty: token j).
+
+    With `noise` [rows, V'] (the sampler's Gumbel noise at each row's position, for the columns' tokens), the
+    drafts are ranked as the sampler will draw there: scores + noise. Sampling draws argmax(scores + noise) with
+    noise fixed by (seed, position, token), so if the drafter matched the model its top-1 would be exactly the drawn
+    token; an inexact drafter's top-1 is drawn more often so too.
+    """
+    subset = ids is not None and ids.numel() > 0
+    x = scores.float()
+    if noise is not None:
+        x = x + noise
+    p, idx = x.softmax(-1).nan_to_num_(0.0).topk(k, dim=-1)  # (a row the filters emptied proposes nothing likely)
+    return (ids[idx] if subset else idx), p
+
+
 class Sampler:
     """Processes logits and draws tokens for one generation (fixed settings, fixed vocabulary)."""
 
@@ -175,6 +194,24 @@ class Sampler:
         than the model's, so the penalty would move its drafts off repeated tokens far more often than it moves the
         model's draws, and the drafts would be drawn less often (core/README.md)."""
         return filter_logits(self._without_banned(logits, ids), self.s)
+
+    def rank_drafts(self, logits: Tensor, k: int, first: int, ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The k most likely drafts of each row of a drafter's logits [rows, V'] (column j: token ids[j]; None or
+        empty: token j), row i for sequence position first + i, ranked as the draw will draw there: `draft_scores`
+        plus the position's Gumbel noise (rank_drafts). Token ids and chances, [rows, k] each. One call of our CPU
+        kernel where it is built (the draw's own filters: kernels/cpu.cpp), else PyTorch's operators."""
+        subset = ids if ids is not None and ids.numel() else None
+        native = kernel() if logits.device.type == "cpu" else None
+        if native is None:
+            noise = None if self.s.greedy else torch.stack(
+                [self.noise(first + i, subset, logits.device) for i in range(logits.shape[0])])
+            return rank_drafts(self.draft_scores(logits, subset), k, noise, subset)
+        s = self.s
+        keys = torch.tensor([_mix(s.seed, first + i) for i in range(logits.shape[0])], dtype=torch.long)
+        columns = subset if subset is not None else logits.new_empty(0, dtype=torch.long)
+        ranked, p = native.rank_drafts(logits.detach().float(), columns, self._banned_ids, s.temperature, s.top_p,
+                                       s.top_k, s.min_p, keys, k)
+        return ranked, p
 
     def _without_banned(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
         """An fp32 copy of logits [rows, V'] with the banned ids at -inf; column j scores token ids[j] (None or

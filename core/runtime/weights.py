@@ -70,7 +70,16 @@ class PackedWeight:
         return (d * q + m).reshape(-1, self.k)[: self.n]
 
     def dequantize_rows(self, ids: Tensor) -> Tensor:
-        """Rows `ids` of the fp32 weight (an embedding lookup in a tied lm_head's table)."""
+        """Rows `ids` of the fp32 weight (an embedding lookup in a tied lm_head's table): one call of the kernels
+        where they are built (a lookup every step and every drafted level), else `unpack_rows`."""
+        native = cpu.kernel() if self.data.device.type == "cpu" else None
+        if native is None:
+            return self.unpack_rows(ids)
+        code, data, d, m, _, n = self.kernel_args()
+        return native.embed_rows(ids.reshape(-1).long(), code, data, d, m, n, self.k).view(*ids.shape, self.k)
+
+    def unpack_rows(self, ids: Tensor) -> Tensor:
+        """`dequantize_rows` through PyTorch's operators (the same numbers)."""
         t, c = ids // COLS, ids % COLS
         if self.fmt in DENSE:
             return self.data[t, :, c].float()

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from core.generation.decoding import Decoder, Generation
+from core.generation.sampling import rank_drafts
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.tokenswift.calibration import DraftCalibrator, Proposal
-from core.tokenswift.heads import rank_drafts
 from core.tokenswift.ngram import NGramTable
 from core.tokenswift.options import DraftPlan
 from core.tokenswift.tree import HEADS, NGRAM, Tree, TreeBuilder
@@ -79,7 +79,7 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
                      backbone: Tensor | None, depth: int,
                      calibrator: DraftCalibrator | None = None) -> list[list[tuple[int, float]]]:
     """[(token, estimated chance), ...] for each of the first `depth` positions after the root, from the backbone
-    (separate mode), the root head and the heads, each ranked as the sampler will draw there (heads.candidates).
+    (separate mode), the root head and the heads, each ranked as the sampler will draw there (Sampler.rank_drafts).
 
     `h_last` is the hidden state the heads read (fused mode: the position before the root, head k predicts the k-th
     token after the root, and the root head reads it with the root; separate mode: the root, everything one
@@ -94,17 +94,11 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
     root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
     settings, sampler = gen.config.sampling, gen.sampler
 
-    def noise(first: int, n: int, ids: Tensor | None = None) -> Tensor | None:
-        """The draws' Gumbel noise at positions first .. first + n - 1 for token `ids` (None: every token; none when
-        decoding greedily)."""
-        if settings.greedy:
-            return None
-        return torch.stack([sampler.noise(first + i, ids, device) for i in range(n)])
-
     candidates: list[list[tuple[int, float]]] = []
     if backbone is not None and depth > 0:
         # the backbone's logits are the model's own (over a partial cache): processed exactly as the draw will be
-        ids, p = rank_drafts(sampler.scores(backbone[None], gen.window()), opt.backbone_topk, noise(root_pos + 1, 1))
+        noise = None if settings.greedy else sampler.noise(root_pos + 1, None, device)[None]
+        ids, p = rank_drafts(sampler.scores(backbone[None], gen.window()), opt.backbone_topk, noise)
         candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
     if heads is None or h_last is None:
         return candidates
@@ -118,13 +112,11 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
             token, top = candidates[0][0]
             chance = calibrator.chance(top, HEADS, 1) if calibrator is not None else top
         first = len(candidates)
-        root_ids = heads.root_ids if heads.root_ids.numel() else None  # None: it scores the whole vocabulary
         for level in range(first, min(depth, first + heads.root_chain)):
             if chance < (opt.min_draft_score or 0.0):
                 break
             state, logits = engine.root_step(state, torch.tensor([token], device=device))
-            ids, p = heads.candidates(sampler.draft_scores(logits, heads.root_ids), opt.head_topk,
-                                      noise(root_pos + 1 + level, 1, root_ids), heads.root_ids)
+            ids, p = sampler.rank_drafts(logits, opt.head_topk, root_pos + 1 + level, heads.root_ids)
             candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
             token, top = int(ids[0, 0]), float(p[0, 0])
             chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top
@@ -136,8 +128,7 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
     if more > 0:
         if head_logits is None:  # no forward computed them (eager, or a graph without them: DraftPlan.graph_heads)
             head_logits = heads.logits(h_last[None], engine.model)[:, 0]
-        vocab = heads.vocab if heads.vocab.numel() else None
-        ids, p = heads.candidates(sampler.draft_scores(head_logits[skip:skip + more], heads.vocab), opt.head_topk,
-                                  noise(root_pos + 1 + len(candidates), more, vocab))
+        ids, p = sampler.rank_drafts(head_logits[skip:skip + more], opt.head_topk, root_pos + 1 + len(candidates),
+                                     heads.vocab)
         candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]
     return candidates

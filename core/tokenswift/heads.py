@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from core.generation.sampling import rank_drafts
 from core.runtime.model import ModelConfig, RMSNorm, Transformer
 from core.runtime.skeleton import skeleton
 from core.runtime.weights import NativeLinear
@@ -170,25 +171,6 @@ class DraftHeads(nn.Module):
                    ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """rank_drafts over the heads' scores; column j scores token ids[j] (default: the heads' vocabulary)."""
         return rank_drafts(scores, k, noise, self.vocab if ids is None else ids)
-
-
-def rank_drafts(scores: Tensor, k: int, noise: Tensor | None = None,
-                ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Top-k token ids and their estimated chance of being drawn, per row of a drafter's scores [rows, V'] (its
-    logits processed as the sampler processes the model's: Sampler.draft_scores): [rows, k] each. Column j scores
-    token ids[j] (None or empty: token j).
-
-    With `noise` [rows, V'] (the sampler's Gumbel noise at each row's position, for the columns' tokens), the
-    drafts are ranked as the sampler will draw there: scores + noise. Sampling draws argmax(scores + noise) with
-    noise fixed by (seed, position, token), so if the drafter matched the model its top-1 would be exactly the drawn
-    token; an inexact drafter's top-1 is drawn more often so too.
-    """
-    subset = ids is not None and ids.numel() > 0
-    x = scores.float()
-    if noise is not None:
-        x = x + noise
-    p, idx = x.softmax(-1).nan_to_num_(0.0).topk(k, dim=-1)  # (a row the filters emptied proposes nothing likely)
-    return (ids[idx] if subset else idx), p
 
 
 def fingerprint_ids(cfg: ModelConfig) -> list[int]:

@@ -49,6 +49,13 @@ inline void halves_to_floats(const uint16_t* h, float* out) {
 #endif
 }
 
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // 16 bf16 values as floats: a bf16 is the upper half of the float it stands for, so widening is a shift, exact.
 inline void bf16_to_floats(const uint16_t* h, float* out) {
 #if defined(__AVX512F__)
@@ -759,41 +766,11 @@ inline float gumbel(uint64_t key, int64_t id) {
   return static_cast<float>(-std::log(-std::log(u)));
 }
 
-}  // namespace
-
-// The token drawn from one row of logits: banned ids out, the contextual penalty over the distinct ids of `window`,
-// then (temperature 0: the argmax) temperature, top-k, top-p (the fewest most likely tokens whose mass reaches
-// top_p: rank j kept while the mass ranked above it is short of top_p, ties ranked by id), min-p, and the argmax of
-// the surviving scores plus their Gumbel noise. `key` is the position's noise key (sampling.py: _mix).
-int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::Tensor banned, double temperature,
-             double top_p, int64_t top_k, double min_p, double penalty, int64_t key) {
-  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
-  auto lc = logits.contiguous();
-  const float* lp = lc.data_ptr<float>();
-  std::vector<float> v(lp, lp + vocab);
+// Temperature, top-k, top-p and min-p on scores v[0 .. vocab) in place (filtered scores become -inf): the draw's
+// filters (see draw), shared with the drafts' ranking so a draft is ranked as the token will be drawn.
+void filter_scores(std::vector<float>& v, int64_t vocab, double temperature, double top_p, int64_t top_k,
+                   double min_p) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  auto bc = banned.contiguous();
-  for (int64_t i = 0; i < bc.numel(); ++i) v[bc.data_ptr<int64_t>()[i]] = ninf;
-  if (penalty != 1.0 && window.numel() > 0) {
-    auto wc = window.contiguous();
-    const int64_t* wp = wc.data_ptr<int64_t>();
-    std::vector<int64_t> ids(wp, wp + wc.numel());
-    std::sort(ids.begin(), ids.end());
-    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-    const float theta = static_cast<float>(penalty);
-    for (int64_t id : ids) v[id] = v[id] > 0.0f ? v[id] / theta : v[id] * theta;
-  }
-  auto first_max = [&](auto score) {
-    int64_t best = -1;
-    float top = ninf;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (v[i] == ninf) continue;
-      const float x = score(i);
-      if (best < 0 || x > top) best = i, top = x;
-    }
-    return best;
-  };
-  if (temperature == 0.0) return first_max([&](int64_t i) { return v[i]; });
   const float t = static_cast<float>(temperature);
   for (float& x : v) x = x / t;
   if (top_k > 0 && top_k < vocab) {
@@ -864,8 +841,138 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
     for (float& x : v)
       if (exp_nonpositive(x - m) < static_cast<float>(min_p)) x = ninf;
   }
+}
+
+}  // namespace
+
+// The token drawn from one row of logits: banned ids out, the contextual penalty over the distinct ids of `window`,
+// then (temperature 0: the argmax) temperature, top-k, top-p (the fewest most likely tokens whose mass reaches
+// top_p: rank j kept while the mass ranked above it is short of top_p, ties ranked by id), min-p, and the argmax of
+// the surviving scores plus their Gumbel noise. `key` is the position's noise key (sampling.py: _mix).
+int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::Tensor banned, double temperature,
+             double top_p, int64_t top_k, double min_p, double penalty, int64_t key) {
+  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
+  auto lc = logits.contiguous();
+  const float* lp = lc.data_ptr<float>();
+  std::vector<float> v(lp, lp + vocab);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  auto bc = banned.contiguous();
+  for (int64_t i = 0; i < bc.numel(); ++i) v[bc.data_ptr<int64_t>()[i]] = ninf;
+  if (penalty != 1.0 && window.numel() > 0) {
+    auto wc = window.contiguous();
+    const int64_t* wp = wc.data_ptr<int64_t>();
+    std::vector<int64_t> ids(wp, wp + wc.numel());
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    const float theta = static_cast<float>(penalty);
+    for (int64_t id : ids) v[id] = v[id] > 0.0f ? v[id] / theta : v[id] * theta;
+  }
+  auto first_max = [&](auto score) {
+    int64_t best = -1;
+    float top = ninf;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (v[i] == ninf) continue;
+      const float x = score(i);
+      if (best < 0 || x > top) best = i, top = x;
+    }
+    return best;
+  };
+  if (temperature == 0.0) return first_max([&](int64_t i) { return v[i]; });
+  filter_scores(v, vocab, temperature, top_p, top_k, min_p);
   const uint64_t k64 = static_cast<uint64_t>(key);
   return first_max([&](int64_t i) { return v[i] + gumbel(k64, i); });
+}
+
+// Drafts ranked as they will be drawn: per row of a drafter's logits over token ids `ids` (empty: column j is token
+// j), banned ids out, then (temperature 0) the softmax of the raw scores, or the draw's filters and each surviving
+// token's Gumbel noise at the row's position (keys[r]) before the softmax; the k most likely columns' token ids and
+// probabilities, most likely first (ties by column). A row the filters emptied proposes its first k columns at 0.
+std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, torch::Tensor banned,
+                                       double temperature, double top_p, int64_t top_k, double min_p,
+                                       torch::Tensor keys, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "rank_drafts: logits float32 [rows, V]");
+  auto lc = logits.contiguous();
+  const int64_t rows = lc.size(0), n = lc.size(1);
+  k = std::min(k, n);
+  auto ic = ids.contiguous();
+  TORCH_CHECK(ic.numel() == 0 || ic.numel() == n, "rank_drafts: ids must be empty or one per column");
+  const int64_t* idp = ic.numel() ? ic.data_ptr<int64_t>() : nullptr;
+  auto token = [&](int64_t j) { return idp ? idp[j] : j; };
+  auto bc = banned.contiguous();
+  std::vector<int64_t> ban(bc.data_ptr<int64_t>(), bc.data_ptr<int64_t>() + bc.numel());
+  std::sort(ban.begin(), ban.end());
+  auto kc = keys.contiguous();
+  TORCH_CHECK(temperature == 0.0 || kc.numel() == rows, "rank_drafts: one noise key per row");
+  auto out_ids = torch::empty({rows, k}, torch::kLong);
+  auto out_p = torch::empty({rows, k}, torch::kFloat);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> v(n);
+  std::vector<int64_t> order(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(lc.data_ptr<float>() + r * n, lc.data_ptr<float>() + (r + 1) * n, v.begin());
+    for (int64_t j = 0; j < n; ++j)
+      if (std::binary_search(ban.begin(), ban.end(), token(j))) v[j] = ninf;
+    if (temperature != 0.0) {
+      filter_scores(v, n, temperature, top_p, top_k, min_p);
+      const uint64_t key = static_cast<uint64_t>(kc.data_ptr<int64_t>()[r]);
+      for (int64_t j = 0; j < n; ++j)
+        if (v[j] != ninf) v[j] += gumbel(key, token(j));
+    }
+    float m = ninf;
+    for (float x : v) m = std::max(m, x);
+    double sum = 0.0;
+    for (float& x : v) {
+      x = m == ninf ? 0.0f : std::exp(x - m);  // exp(-inf) = 0: a filtered column
+      sum += x;
+    }
+    for (int64_t j = 0; j < n; ++j) order[j] = j;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+    for (int64_t i = 0; i < k; ++i) {
+      out_ids[r][i] = token(order[i]);
+      out_p[r][i] = sum > 0.0 ? static_cast<float>(v[order[i]] / sum) : 0.0f;
+    }
+  }
+  return {out_ids, out_p};
+}
+
+// Rows `ids` of a packed weight [n, k] as fp32 (an embedding lookup in a tied lm_head's table): per element the
+// weight the linear kernels compute with (d * q, or d * q + m for q4_1; a bf16 value widened).
+torch::Tensor embed_rows(torch::Tensor ids, int64_t fmt, torch::Tensor a, torch::Tensor d, torch::Tensor m,
+                         int64_t n, int64_t k) {
+  const Linear L = linear_from(fmt, a, d, m, torch::Tensor(), n, k);
+  auto ic = ids.contiguous();
+  const int64_t rows = ic.numel(), B = k / kBlock;
+  auto out = torch::empty({rows, k}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t id = ic.data_ptr<int64_t>()[r];
+    TORCH_CHECK(0 <= id && id < n, "embed_rows: id ", id, " outside 0..", n - 1);
+    const int64_t t = id / kCols, c = id % kCols;
+    float* row = o + r * k;
+    if (L.fmt == kFmtF32 || L.fmt == kFmtBF16) {
+      for (int64_t j = 0; j < k; ++j)
+        row[j] = L.f32 ? L.f32[(t * k + j) * kCols + c] : bf16_to_float(L.bf16[(t * k + j) * kCols + c]);
+      continue;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      const float dw = half_to_float(L.d[(t * B + b) * kCols + c]);
+      const float mw = L.fmt == kFmtQ4_1 ? half_to_float(L.m[(t * B + b) * kCols + c]) : 0.0f;
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < 4; ++j) {
+          float q;
+          if (L.fmt == kFmtQ8_0) {
+            q = static_cast<float>(L.q8[(t * B + b) * 512 + (g * kCols + c) * 4 + j]);
+          } else {
+            const uint8_t byte = L.q4[(t * B + b) * 256 + ((g % 4) * kCols + c) * 4 + j];
+            q = static_cast<float>(g < 4 ? (byte & 0x0F) : (byte >> 4));
+          }
+          const float w = dw * q;
+          row[b * kBlock + g * 4 + j] = L.fmt == kFmtQ4_1 ? w + mw : w;
+        }
+    }
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1000,4 +1107,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("norms"), py::arg("lin"), py::arg("meta"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
         py::arg("eps"), py::arg("scale"), py::arg("bf16") = false);
   m.def("draw", &draw, "the token drawn from one row of logits");
+  m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
+  m.def("embed_rows", &embed_rows, "rows of a packed weight as fp32");
 }
