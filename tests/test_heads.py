@@ -134,3 +134,26 @@ def test_candidates_are_ranked_as_the_sampler_draws() -> None:
     sampler = Sampler(SamplingSettings(temperature=0.5, top_p=1.0), 128, banned=(40,))
     ids, _ = heads.candidates(sampler.draft_scores(logits, vocab), 2, noise)
     assert ids[0].tolist() == [3, 17]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_the_kernels_root_step_computes_the_root_heads_modules(fmt: str) -> None:
+    """On a native model the root head's step is one kernel call (cpu.cpp: root_step): its state and logits are the
+    PyTorch modules' (norms, up, SiLU, down, residual, output norm, the scored rows) on the same packed weights, up
+    to float rounding, and it drafts the same tokens."""
+    model = tiny(3)
+    heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
+    for p in heads.root.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
+    assert model.to_native(fmt)
+    heads.to_native(fmt)
+    root, rows = heads.root, heads.scorer(model, "root_lm")
+    h, roots = torch.randn(3, 64), torch.tensor([5, 77, 120])
+    state, logits = heads.root_step(h, roots, model)
+    want_state = root(h, model.embed(roots))
+    want_logits = rows(root.norm_out(want_state))
+    assert logits.shape == (3, 64)
+    assert torch.allclose(state, want_state, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-5)
+    assert torch.equal(logits.topk(3).indices, want_logits.topk(3).indices)
+    assert not torch.equal(state, h)  # the head moved the state: its matrices took part

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from core.generation.sampling import rank_drafts
+from core.runtime.kernels import cpu
 from core.runtime.model import ModelConfig, RMSNorm, Transformer
 from core.runtime.skeleton import skeleton
 from core.runtime.weights import NativeLinear
@@ -149,8 +150,20 @@ class DraftHeads(nn.Module):
         """The root head's pre-norm state [n, hidden] and its logits [n, len(root_ids)]. A chained root head
         (`root_chain` > 1) reads that state back with the token drafted from the logits, one level deeper."""
         assert self.root is not None, "these heads have no root head"
-        state = self.root(h0, model.embed(roots))
-        return state, self._score(self.root.norm_out(state), self.scorer(model, "root_lm"))
+        root, rows = self.root, self.scorer(model, "root_lm")
+        native = cpu.kernel() if isinstance(root.up, NativeLinear) and isinstance(rows, NativeLinear) else None
+        if native is not None and not model.bf16_activations and not rows.bf16_out:  # one call of the kernels
+            lin, meta = [], []
+            for layer in (root.up, root.down, rows):
+                code, data, d, m, bias, n_out = layer.args
+                lin += [data, d, m, bias]
+                meta += [code, n_out]
+            norms = [root.norm_h.weight, root.norm_e.weight, root.norm_out.weight]
+            state, logits = native.root_step(h0.float(), model.embed(roots).float(), norms, root.norm_h.eps, lin,
+                                             meta)
+            return state, logits
+        state = root(h0, model.embed(roots))
+        return state, self._score(root.norm_out(state), rows)
 
     @staticmethod
     def _score(states: Tensor, rows: NativeLinear | Tensor) -> Tensor:

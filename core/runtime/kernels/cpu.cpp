@@ -975,6 +975,43 @@ torch::Tensor embed_rows(torch::Tensor ids, int64_t fmt, torch::Tensor a, torch:
   return out;
 }
 
+// The root head's step (core/tokenswift/heads.py: RootHead, then its scoring) for rows h0 [R, H] and the roots'
+// embeddings e [R, H]: state = h0 + down(silu(up([norm_h(h0); norm_e(e)]))), logits = scorer(norm_out(state)).
+// `norms`: the three norms' weights; `lin`: up, down and the scored lm_head rows as (packed, scales, mins, bias)
+// each, `meta` their (format, outputs). One call for what is otherwise a dozen operators per drafted level; its
+// drafts only choose what is verified, never a token.
+std::vector<torch::Tensor> root_step(torch::Tensor h0, torch::Tensor e, std::vector<torch::Tensor> norms, double eps,
+                                     std::vector<torch::Tensor> lin, std::vector<int64_t> meta) {
+  TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat && e.sizes() == h0.sizes() &&
+              e.scalar_type() == at::kFloat, "root_step: h0 and e float32 [R, H]");
+  TORCH_CHECK(norms.size() == 3 && lin.size() == 12 && meta.size() == 6, "root_step: 3 norms, 3 linear layers");
+  auto hc = h0.contiguous(), ec = e.contiguous();
+  const int64_t R = hc.size(0), H = hc.size(1), W = meta[1];
+  const Linear up = linear_from(meta[0], lin[0], lin[1], lin[2], lin[3], W, 2 * H);
+  const Linear down = linear_from(meta[2], lin[4], lin[5], lin[6], lin[7], meta[3], W);
+  const Linear scorer = linear_from(meta[4], lin[8], lin[9], lin[10], lin[11], meta[5], H);
+  TORCH_CHECK(down.n == H, "root_step: the down projection must give the hidden size");
+  const float ep = static_cast<float>(eps);
+  std::vector<float> a(R * H), b(R * H), x(R * 2 * H), u(R * W), normed(R * H);
+  rms_norm(hc.data_ptr<float>(), norms[0].contiguous().data_ptr<float>(), R, H, ep, a.data(), false);
+  rms_norm(ec.data_ptr<float>(), norms[1].contiguous().data_ptr<float>(), R, H, ep, b.data(), false);
+  for (int64_t r = 0; r < R; ++r) {
+    std::copy(&a[r * H], &a[(r + 1) * H], &x[r * 2 * H]);
+    std::copy(&b[r * H], &b[(r + 1) * H], &x[r * 2 * H + H]);
+  }
+  linear_into(up, x.data(), R, u.data(), false);
+  for (float& v : u) v = v / (1.0f + std::exp(-v));  // SiLU
+  auto state = torch::empty({R, H}, torch::kFloat);
+  float* sp = state.data_ptr<float>();
+  linear_into(down, u.data(), R, sp, false);
+  const float* hp = hc.data_ptr<float>();
+  for (int64_t i = 0; i < R * H; ++i) sp[i] += hp[i];
+  rms_norm(sp, norms[2].contiguous().data_ptr<float>(), R, H, ep, normed.data(), false);
+  auto logits = torch::empty({R, scorer.n}, torch::kFloat);
+  linear_into(scorer, normed.data(), R, logits.data_ptr<float>(), false);
+  return {state, logits};
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Python entry points.
 
@@ -1109,4 +1146,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw", &draw, "the token drawn from one row of logits");
   m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
   m.def("embed_rows", &embed_rows, "rows of a packed weight as fp32");
+  m.def("root_step", &root_step, "the root head's state and logits");
 }
