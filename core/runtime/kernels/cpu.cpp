@@ -766,22 +766,35 @@ inline float gumbel(uint64_t key, int64_t id) {
   return static_cast<float>(-std::log(-std::log(u)));
 }
 
+// The largest of v[0 .. n) (-inf if none), in 16 lanes so it vectorises; a maximum is the same in any order.
+inline float max_of(const float* v, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  std::fill(lane, lane + kLanes, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] = v[i + l] > lane[l] ? v[i + l] : lane[l];
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < kLanes; ++l) m = lane[l] > m ? lane[l] : m;
+  for (; i < n; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
 // Temperature, top-k, top-p and min-p on scores v[0 .. vocab) in place (filtered scores become -inf): the draw's
 // filters (see draw), shared with the drafts' ranking so a draft is ranked as the token will be drawn.
-void filter_scores(std::vector<float>& v, int64_t vocab, double temperature, double top_p, int64_t top_k,
-                   double min_p) {
+void filter_scores(float* v, int64_t vocab, double temperature, double top_p, int64_t top_k, double min_p) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const float t = static_cast<float>(temperature);
-  for (float& x : v) x = x / t;
+  for (int64_t i = 0; i < vocab; ++i) v[i] = v[i] / t;
   if (top_k > 0 && top_k < vocab) {
-    std::vector<float> copy(v);
+    std::vector<float> copy(v, v + vocab);
     std::nth_element(copy.begin(), copy.begin() + (top_k - 1), copy.end(), std::greater<float>());
     const float kth = copy[top_k - 1];
-    for (float& x : v) if (x < kth) x = ninf;
+    for (int64_t i = 0; i < vocab; ++i)
+      if (v[i] < kth) v[i] = ninf;
   }
   if (top_p < 1.0) {
-    float m = ninf;
-    for (float x : v) m = std::max(m, x);
+    const float m = max_of(v, vocab);
     std::vector<float> e(vocab);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -836,10 +849,9 @@ void filter_scores(std::vector<float>& v, int64_t vocab, double temperature, dou
       if (!kept[i]) v[i] = ninf;
   }
   if (min_p > 0.0) {  // p_i < min_p * p_max, that is exp(v_i - max) < min_p
-    float m = ninf;
-    for (float x : v) m = std::max(m, x);
-    for (float& x : v)
-      if (exp_nonpositive(x - m) < static_cast<float>(min_p)) x = ninf;
+    const float m = max_of(v, vocab);
+    for (int64_t i = 0; i < vocab; ++i)
+      if (exp_nonpositive(v[i] - m) < static_cast<float>(min_p)) v[i] = ninf;
   }
 }
 
@@ -878,7 +890,7 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
     return best;
   };
   if (temperature == 0.0) return first_max([&](int64_t i) { return v[i]; });
-  filter_scores(v, vocab, temperature, top_p, top_k, min_p);
+  filter_scores(v.data(), vocab, temperature, top_p, top_k, min_p);
   const uint64_t k64 = static_cast<uint64_t>(key);
   return first_max([&](int64_t i) { return v[i] + gumbel(k64, i); });
 }
@@ -913,7 +925,7 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
     for (int64_t j = 0; j < n; ++j)
       if (std::binary_search(ban.begin(), ban.end(), token(j))) v[j] = ninf;
     if (temperature != 0.0) {
-      filter_scores(v, n, temperature, top_p, top_k, min_p);
+      filter_scores(v.data(), n, temperature, top_p, top_k, min_p);
       const uint64_t key = static_cast<uint64_t>(kc.data_ptr<int64_t>()[r]);
       for (int64_t j = 0; j < n; ++j)
         if (v[j] != ninf) v[j] += gumbel(key, token(j));
