@@ -1,6 +1,7 @@
 // The CPU decoder's kernels: linear layers over packed fp32, bf16 or 4/8-bit weights, attention over the KV cache in
 // each row's logical key order, and the per-row glue (RMSNorm, rotary embedding, SiLU gate, residuals), with a whole
-// decoder stack in one call. Activations are fp32 whatever the weights' format, or, for a bf16 model, rounded to bf16
+// decoder stack in one call; beside it the step's smaller work: the draw, the drafts' ranking, the root head's step
+// and embedding lookups. Activations are fp32 whatever the weights' format, or, for a bf16 model, rounded to bf16
 // where a bf16 model on CUDA stores them (round_bf16 lists where): the same numerics, computed here.
 //
 // Every kernel here is row-invariant by construction: a row's result is the same sequence of float operations
@@ -158,8 +159,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < out.blocks; ++b) {
       const float* xb = x + r * k + b * kBlock;
+      float lane[16] = {};  // |x| maxima in 16 lanes, so the loop vectorises (a maximum is the same in any order)
+      for (int i = 0; i < kBlock; i += 16)
+        for (int l = 0; l < 16; ++l) lane[l] = std::fabs(xb[i + l]) > lane[l] ? std::fabs(xb[i + l]) : lane[l];
       float amax = 0.0f;
-      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      for (int l = 0; l < 16; ++l) amax = lane[l] > amax ? lane[l] : amax;
       const float d = amax / 127.0f;
       const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t sum = 0;
@@ -708,15 +712,22 @@ void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, con
 // ---------------------------------------------------------------------------------------------------------------
 // Per-row glue; with `bf16`, rounded where a bf16 model rounds (round_bf16).
 
-void rms_norm(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out, bool bf16) {
+// (The per-element loops below are instantiated for each rounding mode: with the mode a run-time test inside the
+// loop, the compiler kept them scalar.)
+template <bool BF16>
+void rms_norm_of(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out) {
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * H;
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[r * H + i] = store(w[i] * store(xr[i] * inv, bf16), bf16);
+    for (int64_t i = 0; i < H; ++i) out[r * H + i] = store(w[i] * store(xr[i] * inv, BF16), BF16);
   }
+}
+
+void rms_norm(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out, bool bf16) {
+  bf16 ? rms_norm_of<true>(x, w, R, H, eps, out) : rms_norm_of<false>(x, w, R, H, eps, out);
 }
 
 // Rotary embedding ("rotate half") of `heads` heads of size D in place; cos/sin rows [R, D].
@@ -737,16 +748,21 @@ void rope(float* x, int64_t R, int64_t ld, int64_t heads, int64_t D, const float
 }
 
 // out[r][i] = silu(gate[r][i]) * up[r][i], gate and up the two halves of gu's rows.
-void silu_gate(const float* gu, int64_t R, int64_t I, float* out, bool bf16) {
+template <bool BF16>
+void silu_gate_of(const float* gu, int64_t R, int64_t I, float* out) {
   for (int64_t r = 0; r < R; ++r) {
     const float* g = gu + r * 2 * I;
     const float* u = g + I;
     for (int64_t i = 0; i < I; ++i) {
       const float e = exp_nonpositive(-std::fabs(g[i]));
       const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-      out[r * I + i] = store(store(g[i] * sig, bf16) * u[i], bf16);
+      out[r * I + i] = store(store(g[i] * sig, BF16) * u[i], BF16);
     }
   }
+}
+
+void silu_gate(const float* gu, int64_t R, int64_t I, float* out, bool bf16) {
+  bf16 ? silu_gate_of<true>(gu, R, I, out) : silu_gate_of<false>(gu, R, I, out);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
