@@ -372,13 +372,9 @@ class Transformer(nn.Module):
         the cache at its committed length; in bf16 mode rounding as a bf16 model does."""
         cfg = self.cfg
         if self._native_args is None:
-            norms, lin, meta = [], [], []
-            for block in self.layers:
-                norms += [block.attn_norm.weight.contiguous(), block.mlp_norm.weight.contiguous()]
-                for layer in (block.wqkv, block.wo, block.w_gate_up, block.w_down):
-                    code, data, d, m, bias, n_out = layer.args
-                    lin += [data, d, m, bias]
-                    meta += [code, n_out]
+            norms = [w.contiguous() for block in self.layers for w in (block.attn_norm.weight, block.mlp_norm.weight)]
+            lin, meta = NativeLinear.listed(
+                layer for block in self.layers for layer in (block.wqkv, block.wo, block.w_gate_up, block.w_down))
             self._native_args = (norms, lin, meta)
         norms, lin, meta = self._native_args
         visible = block_mask.contiguous() if block_mask is not None else x.new_empty(0, dtype=torch.bool)

@@ -14,7 +14,7 @@ it computes what an fp32 tile of the widened weight computes.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,6 +235,18 @@ class NativeLinear(nn.Module):
         shape = x.shape
         out = cpu.linear(x.reshape(-1, shape[-1]).float(), self.args, self.bf16_out)
         return out.view(*shape[:-1], self.packed.n)
+
+    @staticmethod
+    def listed(layers: Iterable[NativeLinear]) -> tuple[list[Tensor], list[int]]:
+        """Layers as the kernels' multi-layer calls take them (cpu.cpp: decoder, root_step): four tensors each
+        (packed, scales, mins, bias), and (format, outputs) each."""
+        lin: list[Tensor] = []
+        meta: list[int] = []
+        for layer in layers:
+            code, data, d, m, bias, n_out = layer.args
+            lin += [data, d, m, bias]
+            meta += [code, n_out]
+        return lin, meta
 
     def rows(self, ids: Tensor) -> NativeLinear:
         """The layer of output rows `ids` only (e.g. the lm_head rows a drafting head scores), rounded alike."""

@@ -153,11 +153,7 @@ class DraftHeads(nn.Module):
         root, rows = self.root, self.scorer(model, "root_lm")
         native = cpu.kernel() if isinstance(root.up, NativeLinear) and isinstance(rows, NativeLinear) else None
         if native is not None and not model.bf16_activations and not rows.bf16_out:  # one call of the kernels
-            lin, meta = [], []
-            for layer in (root.up, root.down, rows):
-                code, data, d, m, bias, n_out = layer.args
-                lin += [data, d, m, bias]
-                meta += [code, n_out]
+            lin, meta = NativeLinear.listed((root.up, root.down, rows))
             norms = [root.norm_h.weight, root.norm_e.weight, root.norm_out.weight]
             state, logits = native.root_step(h0.float(), model.embed(roots).float(), norms, root.norm_h.eps, lin,
                                              meta)

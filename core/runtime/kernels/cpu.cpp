@@ -933,6 +933,8 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
   TORCH_CHECK(temperature == 0.0 || kc.numel() == rows, "rank_drafts: one noise key per row");
   auto out_ids = torch::empty({rows, k}, torch::kLong);
   auto out_p = torch::empty({rows, k}, torch::kFloat);
+  int64_t* oi = out_ids.data_ptr<int64_t>();
+  float* op = out_p.data_ptr<float>();
   const float ninf = -std::numeric_limits<float>::infinity();
   std::vector<float> v(n);
   std::vector<int64_t> order(n);
@@ -946,8 +948,7 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
       for (int64_t j = 0; j < n; ++j)
         if (v[j] != ninf) v[j] += gumbel(key, token(j));
     }
-    float m = ninf;
-    for (float x : v) m = std::max(m, x);
+    const float m = max_of(v.data(), n);
     double sum = 0.0;
     for (float& x : v) {
       x = m == ninf ? 0.0f : std::exp(x - m);  // exp(-inf) = 0: a filtered column
@@ -957,8 +958,8 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
     for (int64_t i = 0; i < k; ++i) {
-      out_ids[r][i] = token(order[i]);
-      out_p[r][i] = sum > 0.0 ? static_cast<float>(v[order[i]] / sum) : 0.0f;
+      oi[r * k + i] = token(order[i]);
+      op[r * k + i] = sum > 0.0 ? static_cast<float>(v[order[i]] / sum) : 0.0f;
     }
   }
   return {out_ids, out_p};
