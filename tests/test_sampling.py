@@ -2,6 +2,8 @@
 distribution (chi-square)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -176,3 +178,42 @@ def test_the_kernels_rank_drafts_as_pytorch_does(name: str, subset: bool) -> Non
     assert torch.equal(got_ids, want_ids)
     assert torch.allclose(got_p, want_p, rtol=1e-5, atol=1e-7)
     assert not bool(torch.isin(got_ids, torch.tensor([2, 7])).any())
+
+
+def nucleus_rows(vocab: int) -> tuple[torch.Tensor, list[float]]:
+    """Rows whose top-p sets the kernel finds by buckets of values, each with its top_p: 100 tied tokens with the
+    boundary among them (ranked by id), a wide spread over many buckets (seeded), and a top token with 100 tied
+    ones below e^-14 that the set must reach into half-way (the kernel's second pass, over every token)."""
+    gen = torch.Generator().manual_seed(5)
+    ties = torch.full((vocab,), -40.0)
+    ties[torch.randperm(vocab, generator=gen)[:100]] = 0.0
+    spread = torch.randn(vocab, generator=gen) * 3
+    tail = torch.full((vocab,), -40.0)
+    tail[torch.randperm(vocab, generator=gen)[:100]] = -14.0
+    tail[123] = 0.0
+    small, rest = math.exp(-14.0), (vocab - 101) * math.exp(-40.0)
+    return torch.stack([ties, spread, tail]), [0.505, 0.9, (1 + 50.5 * small) / (1 + 100 * small + rest)]
+
+
+def test_the_kernels_top_p_set_on_a_whole_vocabulary() -> None:
+    """The draw's nucleus (found by buckets of values, then the boundary bucket ranked token by token) is the fewest
+    tokens ranked by (probability desc, id asc) whose mass reaches top_p, computed here in double by a stable sort:
+    on rows spanning many buckets, with the boundary among tied tokens, and reaching past the tokens with e >= 1e-6.
+    Read through rank_drafts over the whole vocabulary: the survivors are exactly the tokens with a chance."""
+    assert kernel() is not None, "the CPU kernels did not build"
+    vocab = 49152
+    rows, tops = nucleus_rows(vocab)
+    for row, top_p in zip(rows, tops):
+        probs, order = row.double().softmax(-1).sort(descending=True, stable=True)  # ties keep id order
+        cum = probs.cumsum(-1)
+        size = int((cum < top_p).sum()) + 1
+        step = float(probs[size - 1])  # the boundary lies well inside a token's share: no rounding-close call
+        assert min(cum[size - 1] - top_p, top_p - cum[size - 2]) > max(0.25 * step, 1e-7)
+        want = torch.zeros(vocab, dtype=torch.bool)
+        want[order[:size]] = True
+        sampler = Sampler(SamplingSettings(temperature=1.0, top_p=top_p, penalty=1.0, seed=3), vocab)
+        ids, p = sampler.rank_drafts(row[None], vocab, 40)
+        got = torch.zeros(vocab, dtype=torch.bool)
+        got[ids[0][p[0] > 0]] = True
+        assert torch.equal(got, want), (top_p, int(got.sum()), size)
+        assert 50 < size < vocab - 50

@@ -796,6 +796,36 @@ inline float max_of(const float* v, int64_t n) {
   return m;
 }
 
+// The tokens whose e[i] >= lo, in id order: their values into ce and ids into ci (both resized); returns how many.
+int64_t tokens_at_least(const float* e, int64_t n, float lo, std::vector<float>& ce, std::vector<int32_t>& ci) {
+  ce.resize(n + 16);
+  ci.resize(n + 16);
+  int64_t count = 0, i = 0;
+#if defined(__AVX512F__)
+  // compress in registers and store whole vectors (the slack of 16 takes the unused lanes): a compressing store to
+  // memory is slow on some CPUs
+  const __m512 bound = _mm512_set1_ps(lo);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(e + i);
+    const __mmask16 k = _mm512_cmp_ps_mask(x, bound, _CMP_GE_OQ);
+    if (k) {
+      _mm512_storeu_ps(ce.data() + count, _mm512_maskz_compress_ps(k, x));
+      _mm512_storeu_si512(ci.data() + count, _mm512_maskz_compress_epi32(k, idx));
+      count += __builtin_popcount(k);
+    }
+    idx = _mm512_add_epi32(idx, step);
+  }
+#endif
+  for (; i < n; ++i) {
+    ce[count] = e[i];
+    ci[count] = static_cast<int32_t>(i);
+    count += e[i] >= lo;
+  }
+  return count;
+}
+
 // Temperature, top-k, top-p and min-p on scores v[0 .. vocab) in place (filtered scores become -inf): the draw's
 // filters (see draw), shared with the drafts' ranking so a draft is ranked as the token will be drawn.
 void filter_scores(float* v, int64_t vocab, double temperature, double top_p, int64_t top_k, double min_p) {
@@ -811,64 +841,100 @@ void filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
   }
   if (top_p < 1.0) {
     const float m = max_of(v, vocab);
-    std::vector<float> e(vocab);
+    thread_local std::vector<float> e;
+    e.resize(vocab);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < vocab; ++i) {
       e[i] = exp_nonpositive(v[i] - m);  // 0 for a filtered token (-inf)
       sum += e[i];
     }
+    const double goal = top_p * static_cast<double>(sum);
     // The nucleus: the shortest prefix of the tokens ranked by (e desc, id asc) whose mass reaches top_p of the
-    // whole. Found by halving (nth_element on the ranking) rather than sorting, over the tokens with e >= 1e-6 (the
-    // top token has e = 1) when their mass reaches the goal, as it nearly always does, else over every token.
-    struct Entry {
-      float e;
-      int64_t id;
-      bool operator<(const Entry& o) const { return e > o.e || (e == o.e && id < o.id); }
+    // whole, among the tokens with e >= 1e-6 (the top token has e = 1) when their mass reaches the goal, as it nearly
+    // always does, else among every token. A positive float's bits rank it, so the tokens fall into buckets by their
+    // top bits (exponent and 4 bits of mantissa), ranked as their values: whole buckets are taken from the top, by
+    // their mass (summed in id order), until one would reach the goal; that one is ranked token by token.
+    thread_local std::vector<float> ce;
+    thread_local std::vector<int32_t> ci;
+    int64_t nc = tokens_at_least(e.data(), vocab, 1e-6f, ce, ci);
+    double big = 0.0;
+    for (int64_t j = 0; j < nc; ++j) big += ce[j];
+    if (big < goal) nc = tokens_at_least(e.data(), vocab, std::numeric_limits<float>::denorm_min(), ce, ci);
+    constexpr int kBuckets = 1 << 11;  // float bits >> 19 of a value in (0, 1]
+    auto bucket = [](float x) {
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof(bits));
+      return static_cast<int>(bits >> 19);
     };
-    const float goal = static_cast<float>(top_p) * sum;
-    std::vector<Entry> rest;
-    rest.reserve(vocab);
-    float big = 0.0f;
-    for (int64_t i = 0; i < vocab; ++i)
-      if (e[i] >= 1e-6f) rest.push_back({e[i], i}), big += e[i];
-    if (big < goal) {
-      rest.clear();
-      for (int64_t i = 0; i < vocab; ++i)
-        if (e[i] > 0.0f) rest.push_back({e[i], i});
+    thread_local std::vector<double> bmass(kBuckets);
+    thread_local std::vector<int32_t> bcount(kBuckets);
+    int top = 0, low = kBuckets - 1;
+    for (int64_t j = 0; j < nc; ++j) {
+      const int b = bucket(ce[j]);
+      bmass[b] += ce[j];
+      bcount[b] += 1;
+      top = std::max(top, b);
+      low = std::min(low, b);
     }
-    std::vector<uint8_t> kept(vocab, 0);
-    float mass = 0.0f;
-    while (!rest.empty()) {
-      if (rest.size() <= 64) {
-        std::sort(rest.begin(), rest.end());
-        for (const Entry& x : rest) {
-          if (mass >= goal) break;
-          kept[x.id] = 1;
-          mass += x.e;
-        }
-        break;
+    // every token in a bucket >= cut is kept, and `partial` in the bucket below it
+    int cut = top + 1;
+    std::vector<std::pair<int64_t, float>> partial;  // (id, score) of the boundary bucket's kept tokens
+    double mass = 0.0;  // (in double: a flat distribution's nucleus adds thousands of shares)
+    for (int b = top; b >= low && mass < goal; --b) {
+      if (bcount[b] == 0) continue;
+      if (mass + bmass[b] < goal) {
+        mass += bmass[b];
+        cut = b;
+        continue;
       }
-      const auto half = rest.begin() + rest.size() / 2;
-      std::nth_element(rest.begin(), half, rest.end());
-      float top = 0.0f;
-      for (auto it = rest.begin(); it != half; ++it) top += it->e;
-      if (mass + top >= goal) {
-        rest.erase(half, rest.end());  // the nucleus ends inside the upper half
-      } else {
-        for (auto it = rest.begin(); it != half; ++it) kept[it->id] = 1;
-        mass += top;
-        rest.erase(rest.begin(), half);
+      std::vector<std::pair<float, int32_t>> members;
+      for (int64_t j = 0; j < nc; ++j)
+        if (bucket(ce[j]) == b) members.push_back({ce[j], ci[j]});
+      std::sort(members.begin(), members.end(), [](const auto& x, const auto& y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+      });
+      partial.clear();
+      for (const auto& [x, id] : members) {
+        if (mass >= goal) break;
+        partial.push_back({id, v[id]});
+        mass += x;
+      }
+      if (partial.size() == members.size()) {  // the whole bucket, and the goal not reached yet (rounding)
+        partial.clear();
+        cut = b;
       }
     }
-    for (int64_t i = 0; i < vocab; ++i)
-      if (!kept[i]) v[i] = ninf;
+    for (int b = low; b <= top; ++b) bmass[b] = 0.0, bcount[b] = 0;
+    const uint32_t cut_bits = static_cast<uint32_t>(cut) << 19;
+    for (int64_t i = 0; i < vocab; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &e[i], sizeof(bits));
+      v[i] = bits >= cut_bits && e[i] > 0.0f ? v[i] : ninf;
+    }
+    for (const auto& [id, score] : partial) v[id] = score;
   }
   if (min_p > 0.0) {  // p_i < min_p * p_max, that is exp(v_i - max) < min_p
     const float m = max_of(v, vocab);
     for (int64_t i = 0; i < vocab; ++i)
       if (exp_nonpositive(v[i] - m) < static_cast<float>(min_p)) v[i] = ninf;
   }
+}
+
+// f(i) for each i in 0 .. n with v[i] > -inf, in order; the blocks of 16 with none are skipped in one test.
+template <typename F>
+inline void for_each_finite(const float* v, int64_t n, F f) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 none = _mm512_set1_ps(ninf);
+  for (; i + 16 <= n; i += 16) {
+    uint32_t k = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), none, _CMP_NEQ_UQ);
+    for (; k; k &= k - 1) f(i + __builtin_ctz(k));
+  }
+#endif
+  for (; i < n; ++i)
+    if (v[i] != ninf) f(i);
 }
 
 }  // namespace
@@ -882,27 +948,33 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
   TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
   auto lc = logits.contiguous();
   const float* lp = lc.data_ptr<float>();
-  std::vector<float> v(lp, lp + vocab);
+  thread_local std::vector<float> v;
+  v.assign(lp, lp + vocab);
   const float ninf = -std::numeric_limits<float>::infinity();
   auto bc = banned.contiguous();
   for (int64_t i = 0; i < bc.numel(); ++i) v[bc.data_ptr<int64_t>()[i]] = ninf;
   if (penalty != 1.0 && window.numel() > 0) {
     auto wc = window.contiguous();
     const int64_t* wp = wc.data_ptr<int64_t>();
-    std::vector<int64_t> ids(wp, wp + wc.numel());
-    std::sort(ids.begin(), ids.end());
-    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
     const float theta = static_cast<float>(penalty);
-    for (int64_t id : ids) v[id] = v[id] > 0.0f ? v[id] / theta : v[id] * theta;
+    thread_local std::vector<uint8_t> seen;  // each distinct id of the window is penalised once
+    seen.resize(vocab);
+    for (int64_t j = 0; j < wc.numel(); ++j) {
+      const int64_t id = wp[j];
+      TORCH_CHECK(0 <= id && id < vocab, "draw: window id ", id, " outside 0..", vocab - 1);
+      if (seen[id]) continue;
+      seen[id] = 1;
+      v[id] = v[id] > 0.0f ? v[id] / theta : v[id] * theta;
+    }
+    for (int64_t j = 0; j < wc.numel(); ++j) seen[wp[j]] = 0;
   }
   auto first_max = [&](auto score) {
     int64_t best = -1;
     float top = ninf;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (v[i] == ninf) continue;
+    for_each_finite(v.data(), vocab, [&](int64_t i) {
       const float x = score(i);
       if (best < 0 || x > top) best = i, top = x;
-    }
+    });
     return best;
   };
   if (temperature == 0.0) return first_max([&](int64_t i) { return v[i]; });
@@ -945,8 +1017,7 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
     if (temperature != 0.0) {
       filter_scores(v.data(), n, temperature, top_p, top_k, min_p);
       const uint64_t key = static_cast<uint64_t>(kc.data_ptr<int64_t>()[r]);
-      for (int64_t j = 0; j < n; ++j)
-        if (v[j] != ninf) v[j] += gumbel(key, token(j));
+      for_each_finite(v.data(), n, [&](int64_t j) { v[j] += gumbel(key, token(j)); });
     }
     const float m = max_of(v.data(), n);
     double sum = 0.0;
