@@ -32,6 +32,34 @@ def test_keep_compacts_rows_in_place() -> None:
     assert c.v[0, 0, 3:6, 1].tolist() == [-1.0, -5.0, -9.0]
 
 
+def test_the_kernels_keep_moves_the_rows_torchs_indexing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's compaction (every layer in one call, keys stored transposed) leaves the cache exactly as
+    PyTorch's advanced indexing does; rows out of order or outside the block are refused."""
+    caches = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr("core.runtime.kv_cache.cpu.kernel", lambda: None)
+        c = KVCache(n_layers=3, n_kv_heads=2, head_dim=16, max_len=40, dtype=torch.float32, device="cpu")
+        gen = torch.Generator().manual_seed(3)
+        c.k.copy_(torch.randn(c.k.shape, generator=gen))
+        c.v.copy_(torch.randn(c.v.shape, generator=gen))
+        c.length = 20
+        c.begin(8)
+        before = (c.k.clone(), c.v.clone())
+        c.keep([0, 3, 4, 7])
+        caches.append(c)
+    assert caches[0].length == caches[1].length == 24
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    for d, r in enumerate([0, 3, 4, 7]):
+        assert torch.equal(caches[0].k[:, :, 20 + d], before[0][:, :, 20 + r])
+        assert torch.equal(caches[0].v[:, :, 20 + d], before[1][:, :, 20 + r])
+    for rows in ([0, 2, 1], [0, 8], [1, 1]):
+        c = caches[0]
+        c.begin(8)
+        with pytest.raises(ValueError, match="rows to keep"):
+            c.keep(rows)
+
+
 @torch.no_grad()
 def test_verified_then_compacted_cache_equals_a_plain_causal_cache(model: Transformer) -> None:
     prefix = torch.randint(128, (20,), generator=torch.Generator().manual_seed(1))

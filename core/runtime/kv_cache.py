@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from core.runtime.kernels import cpu
+
 
 def key_buffer(n_layers: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype,
                device: torch.device | str) -> Tensor:
@@ -112,13 +114,20 @@ class KVCache:
         self.n_new = 0
 
     def keep(self, rows: Tensor | list[int]) -> None:
-        """Keep only these rows of the last forward's block (in this order), compacted after the committed part."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.k.device)
-        start, m = self.length, rows.numel()
-        if m and not torch.equal(rows, torch.arange(m, device=rows.device)):
-            # Advanced indexing gathers into a new tensor first, so overlapping source/destination is safe.
-            self.k[:, :, start:start + m] = self.k[:, :, start + rows]
-            self.v[:, :, start:start + m] = self.v[:, :, start + rows]
+        """Keep only these rows of the last forward's block (increasing: a path down a tree, whose parents come
+        before their children), compacted after the committed part."""
+        rows = rows.tolist() if isinstance(rows, Tensor) else list(rows)
+        start, m = self.length, len(rows)
+        if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < self.n_new):
+            raise ValueError(f"rows to keep must be distinct, increasing and in the last block, got {rows}")
+        if rows != list(range(m)):
+            native = cpu.kernel() if self.k.device.type == "cpu" and self.k.dtype == torch.float32 else None
+            if native is not None:  # one call for every layer (torch's indexing costs more than the copy here)
+                native.keep_rows(self.k, self.v, start, rows)
+            else:  # advanced indexing gathers into a new tensor first, so overlapping source/destination is safe
+                index = torch.tensor(rows, dtype=torch.long, device=self.k.device) + start
+                self.k[:, :, start:start + m] = self.k[:, :, index]
+                self.v[:, :, start:start + m] = self.v[:, :, index]
         self.length += m
         self.n_new = 0
 

@@ -34,16 +34,15 @@ class Tree:
     def mask(self, device: torch.device | str = "cpu") -> Tensor:
         """[n, n] bool: node i attends to node j iff j is i or one of its ancestors."""
         n = len(self.tokens)
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = self.parents[j]
-        return m.to(device)
+        rows: list[list[bool]] = []
+        for i in range(n):  # a node's row is its parent's plus itself (parents come first)
+            row = list(rows[self.parents[i]]) if i else [False] * n
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool, device=device)
 
     def positions(self, root_position: int, device: torch.device | str = "cpu") -> Tensor:
-        return torch.tensor(self.depths, dtype=torch.long, device=device) + root_position
+        return torch.tensor([root_position + d for d in self.depths], dtype=torch.long, device=device)
 
 
 class TreeBuilder:

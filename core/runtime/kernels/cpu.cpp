@@ -1231,6 +1231,29 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
   return x;
 }
 
+// The kept rows of a verified block moved into place in the cache, in every layer and head: row d of the block from
+// slot start + rows[d] to slot start + d, rows increasing (so no source is overwritten before it is read). k and v
+// are [layers, H_kv, S, D] views of any strides (keys stored transposed).
+void keep_rows(torch::Tensor k, torch::Tensor v, int64_t start, std::vector<int64_t> rows) {
+  for (size_t d = 1; d < rows.size(); ++d)
+    TORCH_CHECK(rows[d] > rows[d - 1], "keep_rows: rows must increase");
+  for (const torch::Tensor& t : {k, v}) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat, "keep_rows: float32 [layers, H_kv, S, D]");
+    TORCH_CHECK(rows.empty() || start + rows.back() < t.size(2), "keep_rows: a row past the cache");
+    float* p = t.data_ptr<float>();
+    const int64_t sl = t.stride(0), sh = t.stride(1), ss = t.stride(2), sd = t.stride(3);
+    // the block's slots of one element share a cache line or two where keys are stored transposed: all rows are
+    // moved per element, so each line is fetched once
+    for (int64_t l = 0; l < t.size(0); ++l)
+      for (int64_t h = 0; h < t.size(1); ++h)
+        for (int64_t j = 0; j < t.size(3); ++j) {
+          float* base = p + l * sl + h * sh + j * sd + start * ss;
+          for (size_t d = 0; d < rows.size(); ++d)
+            if (rows[d] != static_cast<int64_t>(d)) base[static_cast<int64_t>(d) * ss] = base[rows[d] * ss];
+        }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // `bf16`: round to bf16 where a bf16 model does (round_bf16); fp32 activations without it
   m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight", py::arg("x"), py::arg("fmt"), py::arg("a"),
@@ -1243,6 +1266,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::arg("kc"), py::arg("vc"), py::arg("past"), py::arg("vis"), py::arg("window"),
         py::arg("norms"), py::arg("lin"), py::arg("meta"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
         py::arg("eps"), py::arg("scale"), py::arg("bf16") = false);
+  m.def("keep_rows", &keep_rows, "the kept rows of a verified block moved into place in the cache");
   m.def("draw", &draw, "the token drawn from one row of logits");
   m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
   m.def("embed_rows", &embed_rows, "rows of a packed weight as fp32");
