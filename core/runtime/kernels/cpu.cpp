@@ -1,8 +1,9 @@
 // The CPU decoder's kernels: linear layers over packed fp32, bf16 or 4/8-bit weights, attention over the KV cache in
 // each row's logical key order, and the per-row glue (RMSNorm, rotary embedding, SiLU gate, residuals), with a whole
-// decoder stack in one call; beside it the step's smaller work: the draw, the drafts' ranking, the root head's step
-// and embedding lookups. Activations are fp32 whatever the weights' format, or, for a bf16 model, rounded to bf16
-// where a bf16 model on CUDA stores them (round_bf16 lists where): the same numerics, computed here.
+// decoder stack in one call; beside it the step's smaller work: the draw, the drafts' ranking, the root head's step,
+// embedding lookups and moving a verified path's keys and values into place. Activations are fp32 whatever the
+// weights' format, or, for a bf16 model, rounded to bf16 where a bf16 model on CUDA stores them (round_bf16 lists
+// where): the same numerics, computed here.
 //
 // Every kernel here is row-invariant by construction: a row's result is the same sequence of float operations
 // whatever other rows share the call, however many threads run and wherever the row's keys sit in the cache. So a
@@ -1235,6 +1236,7 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
 // slot start + rows[d] to slot start + d, rows increasing (so no source is overwritten before it is read). k and v
 // are [layers, H_kv, S, D] views of any strides (keys stored transposed).
 void keep_rows(torch::Tensor k, torch::Tensor v, int64_t start, std::vector<int64_t> rows) {
+  TORCH_CHECK(rows.empty() || rows[0] >= 0, "keep_rows: a row before the block");
   for (size_t d = 1; d < rows.size(); ++d)
     TORCH_CHECK(rows[d] > rows[d - 1], "keep_rows: rows must increase");
   for (const torch::Tensor& t : {k, v}) {
