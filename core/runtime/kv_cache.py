@@ -9,7 +9,7 @@ tokens, the tokens the latest query attends to most (scored per KV head), and th
 overwrite the lowest-scored slots as they arrive. Once they would reach the sinks, the whole sequence is re-scored.
 
 On a CPU in float32 both caches store keys transposed ([layers, kv_heads, d, slots] underneath a [.., slots, d]
-view), the layout core/runtime/kernels/attention.py reads: its scores then vectorise along the keys.
+view), the layout the attention kernel (kernels/cpu.cpp) reads: its scores then vectorise along the keys.
 """
 from __future__ import annotations
 
