@@ -868,13 +868,11 @@ void filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
       std::memcpy(&bits, &x, sizeof(bits));
       return static_cast<int>(bits >> 19);
     };
-    thread_local std::vector<double> bmass(kBuckets);
-    thread_local std::vector<int32_t> bcount(kBuckets);
+    thread_local std::vector<double> bmass(kBuckets);  // 0 for an empty bucket: every candidate's e is > 0
     int top = 0, low = kBuckets - 1;
     for (int64_t j = 0; j < nc; ++j) {
       const int b = bucket(ce[j]);
       bmass[b] += ce[j];
-      bcount[b] += 1;
       top = std::max(top, b);
       low = std::min(low, b);
     }
@@ -883,7 +881,7 @@ void filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
     std::vector<std::pair<int64_t, float>> partial;  // (id, score) of the boundary bucket's kept tokens
     double mass = 0.0;  // (in double: a flat distribution's nucleus adds thousands of shares)
     for (int b = top; b >= low && mass < goal; --b) {
-      if (bcount[b] == 0) continue;
+      if (bmass[b] == 0.0) continue;
       if (mass + bmass[b] < goal) {
         mass += bmass[b];
         cut = b;
@@ -906,13 +904,8 @@ void filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
         cut = b;
       }
     }
-    for (int b = low; b <= top; ++b) bmass[b] = 0.0, bcount[b] = 0;
-    const uint32_t cut_bits = static_cast<uint32_t>(cut) << 19;
-    for (int64_t i = 0; i < vocab; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &e[i], sizeof(bits));
-      v[i] = bits >= cut_bits && e[i] > 0.0f ? v[i] : ninf;
-    }
+    std::fill(bmass.begin() + low, bmass.begin() + top + 1, 0.0);
+    for (int64_t i = 0; i < vocab; ++i) v[i] = e[i] > 0.0f && bucket(e[i]) >= cut ? v[i] : ninf;
     for (const auto& [id, score] : partial) v[id] = score;
   }
   if (min_p > 0.0) {  // p_i < min_p * p_max, that is exp(v_i - max) < min_p
