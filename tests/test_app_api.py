@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from app.studio_process import stop_server
-from conftest import studio_server
+from conftest import make_tiny_checkpoint, studio_server
 
 
 def wait_for(fn: Callable[[], Any], timeout: float = 90, every: float = 0.5, what: str = "condition") -> Any:
@@ -169,21 +169,25 @@ def test_generate_stop_export_restart(server, tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_restart_mid_run_then_resume(tmp_path, tiny_model_dir):
+def test_restart_mid_run_then_resume(tmp_path):
     """A server stopped while it writes saves the run as interrupted; after the restart Resume carries on from the
     same text."""
     from gradio_client import Client
 
-    with studio_server(tmp_path, tiny_model_dir) as first:
+    # A run far longer than the test's wait for its first text, so the stop always lands mid-run: a larger tiny model
+    # (each step slower, the first flush no later) and a long run.
+    model_dir = make_tiny_checkpoint(tmp_path / "slower", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                     max_position_embeddings=8192)
+    with studio_server(tmp_path, model_dir) as first:
         client = Client(first.url, verbose=False)
         client.predict(remembered={}, api_name="/load")
         project_id = value_of(client.predict("Resumable", "novel", "A long road.", api_name="/create_project")[0])
-        client.predict(project_id, 0, "A long road.", "Chapter 1", "", method="tokenswift", max_new_tokens=3000,
+        client.predict(project_id, 0, "A long road.", "Chapter 1", "", method="tokenswift", max_new_tokens=7000,
                        ignore_eos=True, api_name="/generate")
         wait_for(lambda: len(value_of(client.predict(api_name="/refresh")[TEXT]) or "") > 100 or None,
                  what="some text")
     # `first` got SIGTERM: its worker saved the run as interrupted.
-    with studio_server(tmp_path, tiny_model_dir, db_path=first.db_path) as second:
+    with studio_server(tmp_path, model_dir, db_path=first.db_path) as second:
         client = Client(second.url, verbose=False)
         client.predict(remembered={"project_id": project_id}, api_name="/load")
         r = client.predict(api_name="/refresh")

@@ -109,6 +109,7 @@ def test_a_short_novel_with_summaries_reload_restore_and_export(browser, studio,
 
         # A hand edit, undone through the revisions.
         text = page.locator("#chapter-text textarea")
+        expect(text).not_to_have_value("", timeout=TIMEOUT_MS)  # the reloaded page's first poll brings the text
         written = text.input_value()
         # The page's digest of its text is the server's (app.live.DIGEST_JS and text_digest), surrogates included.
         sample = written[:200] + " «é» 🌊\n"
