@@ -196,10 +196,12 @@ class Generation:
         self.prefill_s = time.perf_counter() - t0
         return logits[-1], hidden[-1]
 
-    def emit(self, new_ids: list[int], seconds: float, accepted: int = 0, from_ngram: int = 0, from_heads: int = 0,
+    def emit(self, new_ids: list[int], started: float, accepted: int = 0, from_ngram: int = 0, from_heads: int = 0,
              tree_size: int = 1, forward_s: float = 0.0) -> Step | None:
         """Append a step's tokens, cutting at end-of-sequence, the token limit or a stop string.
 
+        `started` is the step's time.perf_counter() at its start: the step's seconds run to the end of this call, so
+        its bookkeeping (detokenising, stop strings) counts in the decode time like its forwards.
         Returns the step, or None if nothing was added. Sets `stop_reason` when the generation is over.
         """
         cfg = self.config
@@ -223,6 +225,7 @@ class Generation:
             text += self.stream.flush()
         text = self._cut_at_stop_string(text)
         self.text += text
+        seconds = time.perf_counter() - started
         self.decode_s += seconds
         if not kept:
             return None
@@ -298,7 +301,7 @@ def vanilla_steps(decoder: Decoder, gen: Generation) -> Iterator[Step]:
             forward_s = time.perf_counter() - t1
             logits = logits[0]
             cache.commit()
-        step = gen.emit([token], time.perf_counter() - t0, forward_s=forward_s)
+        step = gen.emit([token], t0, forward_s=forward_s)
         if step is not None:
             yield step
         if gen.stop_reason:

@@ -48,12 +48,13 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
 
     # The first token comes from the prefill, like vanilla decoding's.
     t0 = time.perf_counter()
-    step = gen.emit([gen.draw(logits)], time.perf_counter() - t0)
+    step = gen.emit([gen.draw(logits)], t0)
     if step is not None:
         yield step
 
     while not gen.stop_reason and not gen.cancelled():
         t0 = time.perf_counter()
+        table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)  # the last step's tokens, in this step's time
         root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
         backbone = None
         forward_s = 0.0
@@ -86,9 +87,8 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
         # fused mode drafts the next step from the last accepted node
         h_last, head_logits = hidden[node], None if tree_heads is None else tree_heads[:, node]
         from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)
-        step = gen.emit(path + [token], time.perf_counter() - t0, accepted=len(path), from_ngram=from_ngram,
+        step = gen.emit(path + [token], t0, accepted=len(path), from_ngram=from_ngram,
                         from_heads=len(path) - from_ngram, tree_size=len(tree), forward_s=forward_s)
-        table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
         if partial is not None:
             gen.stats["partial_selections"] = partial.selections
         if step is not None:
