@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     import storage
     from app import model_offers, zerogpu
     from app.ui import StudioContext, build_ui, launch_kwargs
+    from core.runtime.loading import model_context
 
     try:
         db = storage.open_database(settings.db)
@@ -266,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                  "; Hugging Face sign-in" if hosting.oauth else "")
     if hosting.storage_warning:
         log.warning(hosting.storage_warning)
+    contexts = {spec: model_context(spec) for spec in dict.fromkeys([settings.model, *models])}
     demo = build_ui(StudioContext(db=db, model=settings.model, heads=settings.heads, driver=driver,
-                                  hosting=hosting, offers=offers))
+                                  hosting=hosting, offers=offers, contexts=contexts))
     # SIGTERM (a supervisor, a Space restart) ends the server like Ctrl-C, so the run in progress is saved and
     # marked interrupted (resumable) below instead of the process dying mid-write.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

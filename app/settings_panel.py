@@ -51,18 +51,21 @@ class SettingsPanel:
         return [gr.update() if name == MODEL else gr.update(value=merged.get(name)) for name in self.names]
 
 
-def _limits(name: str) -> tuple[float | None, float | None]:
+def _limits(name: str, context: int | None = None) -> tuple[float | None, float | None]:
     lo, hi = jobs.LIMITS.get(name, (None, None))
+    if name == "max_new_tokens" and context is not None:
+        hi = max(1, context - jobs.PROMPT_RESERVE)
     return lo, hi
 
 
 def build(prefix: str, *, include_method: bool = True, compact: bool = False,
-          models: Sequence[Offer] = ()) -> SettingsPanel:
+          models: Sequence[Offer] = (), context: int | None = None) -> SettingsPanel:
     """Create the controls inside the current Blocks context and return them.
 
     ``prefix`` makes the element ids unique ("write-max_new_tokens"); ``include_method``: False for Compare, which
     always runs both methods; ``models``: the studio's offers (app.model_offers), a picker named "model" when there
-    is more than one (``pop_model`` takes it out of the values before they are validated).
+    is more than one (``pop_model`` takes it out of the values before they are validated); ``context``: the longest
+    context of the models a run may use, in tokens, which bounds "Max new tokens" (default: the default model's).
     """
     defaults = jobs.DEFAULT_SETTINGS
     names = [n for n in FIELDS if n in defaults and (include_method or n != "method")]
@@ -72,7 +75,7 @@ def build(prefix: str, *, include_method: bool = True, compact: bool = False,
     def make(name: str) -> gr.components.Component:
         label, info = FIELDS[name]
         value = defaults.get(name)
-        lo, hi = _limits(name)
+        lo, hi = _limits(name, context)
         elem_id = f"{prefix}-{name}"
         if name == "method":
             return gr.Radio(METHOD_CHOICES, value=value, label=label, info=info, elem_id=elem_id)
@@ -121,6 +124,7 @@ def pop_model(values: dict[str, Any]) -> str | None:
     return values.pop(MODEL, None) or None
 
 
-def validated(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Collect and validate (``app.jobs.validate_settings``); raises ValueError with a readable message."""
-    return jobs.validate_settings(collect(values))
+def validated(values: Mapping[str, Any], context: int | None = None) -> dict[str, Any]:
+    """Collect and validate (``app.jobs.validate_settings``) for a model of `context` tokens (None: the default
+    model's); raises ValueError with a readable message."""
+    return jobs.validate_settings(collect(values), context)

@@ -20,7 +20,7 @@ import functools
 import html
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,9 +61,20 @@ class StudioContext:
     poll_s: float = POLL_S
     hosting: Hosting = field(default_factory=Hosting)
     offers: tuple[Offer, ...] = ()  # models a writer may pick (app.model_offers); none: the studio's model only
+    contexts: Mapping[str, int | None] = field(default_factory=dict)  # tokens, by model spec, where known at start
 
     def allowed_models(self) -> list[str]:
         return [self.model, *(o.spec for o in self.offers if o.spec != self.model)]
+
+    def context_of(self, model: str) -> int | None:
+        """The context of `model` in tokens, where known (core.runtime.loading.model_context); None: the default
+        model's is assumed here, and the worker checks the real one when it runs."""
+        return self.contexts.get(model)
+
+    def longest_context(self) -> int | None:
+        """The longest known context of the models on offer: the bound of the panels' "Max new tokens"."""
+        known = [c for c in (self.context_of(m) for m in self.allowed_models()) if c is not None]
+        return max(known) if known else None
 
 
 def theme() -> gr.themes.Base:
@@ -450,12 +461,12 @@ class Handlers:
             if latest is not None and latest.model in self.ctx.allowed_models():
                 model = latest.model  # only the model that wrote it can continue it
         else:
-            settings = settings_panel.validated(settings_values)
+            settings = settings_panel.validated(settings_values, self.ctx.context_of(model))
             # Remember them as the project's defaults (shown the next time the project is opened).
             storage.update_project(self.db, chapter.project_id, settings=settings, owner=self._me(view))
         run = jobs.queue_chapter_run(self.db, chapter.id, mode, settings, model=model, heads=self._heads(model),
-                                     owner=self._me(view), max_queued=self.hosting.max_queued,
-                                     max_tokens=self.hosting.max_tokens)
+                                     context=self.ctx.context_of(model), owner=self._me(view),
+                                     max_queued=self.hosting.max_queued, max_tokens=self.hosting.max_tokens)
         return views.run_status(run, position=storage.queue_position(self.db, run.id))
 
     @guarded
@@ -524,9 +535,10 @@ class Handlers:
         if not (prompt or "").strip():
             raise gr.Error("Write a prompt to compare on.", print_exception=False)
         model = self._model(settings_panel.pop_model(settings_values))
-        settings = settings_panel.validated(settings_values)
+        settings = settings_panel.validated(settings_values, self.ctx.context_of(model))
         comparison = jobs.queue_comparison(self.db, prompt, settings, model=model, heads=self._heads(model),
-                                           project_id=view.project_id, owner=self._me(view),
+                                           project_id=view.project_id, context=self.ctx.context_of(model),
+                                           owner=self._me(view),
                                            max_queued=self.hosting.max_queued, max_tokens=self.hosting.max_tokens)
         view.compare_id = comparison.id
         return self.comparison_picker(view) + [self.comparisons_table(view)]
@@ -791,7 +803,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                             restore_btn = gr.Button("Restore this revision", size="sm", elem_id="restore-revision")
                         summary = story_ui.summary_panel()
                         with gr.Accordion("Generation settings", open=False, elem_id="write-settings"):
-                            h.write_panel = settings_panel.build("write", models=ctx.offers)
+                            h.write_panel = settings_panel.build("write", models=ctx.offers,
+                                                           context=ctx.longest_context())
                     with gr.Column(scale=2, min_width=340, elem_classes="charts"):
                         write_plots = _plots("write")
 
@@ -809,7 +822,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                                                 min_width=220)
                     with gr.Column(scale=2):
                         h.compare_panel = settings_panel.build("compare", include_method=False, compact=True,
-                                                               models=ctx.offers)
+                                                               models=ctx.offers, context=ctx.longest_context())
                 cmp_summary = gr.HTML(elem_id="compare-summary", js_on_load=None)
                 with gr.Row(elem_classes="compare-grid", equal_height=False):
                     with gr.Column():

