@@ -150,3 +150,25 @@ def test_each_models_context_bounds_its_runs(db, tiny_model_dir, tmp_path):
     # Unknown here (a model not downloaded yet): the default model's bound, as before; its worker checks the real one.
     unknown = StudioContext(db=db, model="nobody/not-downloaded", contexts={"nobody/not-downloaded": None})
     assert unknown.longest_context() is None
+
+
+def test_a_hub_models_context_comes_from_its_cache_or_when_asked_from_the_hub(tmp_path, monkeypatch):
+    """A hub id's config.json: read from the local hub cache only, unless the caller (a studio whose hub answered)
+    asks to fetch it. The hub itself is out of reach here: its download function stands in, serving a real config."""
+    import huggingface_hub
+
+    from core.runtime.loading import model_context
+
+    served = make_tiny_checkpoint(tmp_path / "hub", max_position_embeddings=32768) / "config.json"
+    asked = []
+
+    def download(repo_id, filename, *, local_files_only=False, **kwargs):
+        asked.append((repo_id, filename, local_files_only))
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
+        return str(served)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert model_context("TokenSwift/Some-Model") is None
+    assert model_context("TokenSwift/Some-Model", fetch=True) == 32768
+    assert asked == [("TokenSwift/Some-Model", "config.json", True), ("TokenSwift/Some-Model", "config.json", False)]

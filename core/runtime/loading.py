@@ -180,11 +180,12 @@ def resolve(spec: str) -> tuple[Path, str]:
     raise ModelLoadError(f"model {spec!r} matches nothing; tried: {'; '.join(tried)}")
 
 
-def model_context(spec: str) -> int | None:
+def model_context(spec: str, fetch: bool = False) -> int | None:
     """The context, in tokens, an engine gives model `spec` (its max_position), from its configuration alone: an
-    alias's stated one, a checkpoint folder's config.json, a hub model's once downloaded (the local hub cache only:
-    never a wait on the network). None where it cannot be known without loading the model (a GGUF file, an unknown
-    spec, a hub model not downloaded yet)."""
+    alias's stated one, a checkpoint folder's config.json, a hub model's config.json: from the local hub cache, or
+    with `fetch` from the hub itself (for a caller that knows the hub answers: an unreachable one costs its retries).
+    None where it cannot be known without loading the model (a GGUF file, an unknown spec, a hub model not in the
+    cache or not fetched)."""
     if spec in ALIASES:
         return ALIASES[spec].context
     path = Path(spec).expanduser()
@@ -194,7 +195,7 @@ def model_context(spec: str) -> int | None:
         elif path.suffix != ".gguf" and spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
             from huggingface_hub import hf_hub_download
 
-            folder = Path(hf_hub_download(spec, "config.json", local_files_only=True)).parent
+            folder = Path(hf_hub_download(spec, "config.json", local_files_only=not fetch, etag_timeout=10)).parent
         else:
             return None
         return ModelConfig.from_hf(read_config(folder)).max_position
