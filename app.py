@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                  "; Hugging Face sign-in" if hosting.oauth else "")
     if hosting.storage_warning:
         log.warning(hosting.storage_warning)
-    # Each model's context bounds its runs' length. Offers beyond the studio's own model exist only where the hub
-    # answered (model_offers), so their configs are fetched from it.
-    contexts = {spec: model_context(spec, fetch=len(offers) > 1) for spec in dict.fromkeys([settings.model, *models])}
+    # Each model's context bounds its runs' length. `models` starts with the studio's own; offers beyond it exist
+    # only where the hub answered (model_offers), so their configs are fetched from it.
+    contexts = {spec: model_context(spec, fetch=len(offers) > 1) for spec in models}
     demo = build_ui(StudioContext(db=db, model=settings.model, heads=settings.heads, driver=driver,
                                   hosting=hosting, offers=offers, contexts=contexts))
     # SIGTERM (a supervisor, a Space restart) ends the server like Ctrl-C, so the run in progress is saved and

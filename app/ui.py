@@ -535,10 +535,10 @@ class Handlers:
         if not (prompt or "").strip():
             raise gr.Error("Write a prompt to compare on.", print_exception=False)
         model = self._model(settings_panel.pop_model(settings_values))
-        settings = settings_panel.validated(settings_values, self.ctx.context_of(model))
+        context = self.ctx.context_of(model)
+        settings = settings_panel.validated(settings_values, context)
         comparison = jobs.queue_comparison(self.db, prompt, settings, model=model, heads=self._heads(model),
-                                           project_id=view.project_id, context=self.ctx.context_of(model),
-                                           owner=self._me(view),
+                                           project_id=view.project_id, context=context, owner=self._me(view),
                                            max_queued=self.hosting.max_queued, max_tokens=self.hosting.max_tokens)
         view.compare_id = comparison.id
         return self.comparison_picker(view) + [self.comparisons_table(view)]
