@@ -117,6 +117,24 @@ def test_the_native_draw_samples_the_processed_distribution(settings: SamplingSe
     assert all(greedy.draw(logits, window, p) == int(penalised.argmax()) for p in range(20))
 
 
+@pytest.mark.parametrize("settings", [
+    PRESETS["studio"], PRESETS["paper"], PRESETS["greedy"], PRESETS["studio"].with_(temperature=3.0),
+    PRESETS["studio"].with_(temperature=20.0, top_p=0.99), PRESETS["studio"].with_(min_p=0.02),
+], ids=["studio", "paper", "greedy", "hot", "flat", "min-p"])
+def test_the_native_draw_is_the_processed_distributions_on_real_logits(smol_engine, settings) -> None:
+    """On the real model's logits (49K ids) the kernel's draw, whichever way it takes (its nucleus read as a list
+    of ids, or the whole vocabulary filtered), draws exactly the token PyTorch's definition draws: the argmax of
+    Sampler.scores plus the position's noise, at every position."""
+    model = smol_engine.model
+    ids = smol_engine.tokenizer.encode("The old lighthouse keeper climbed the stairs, and at the top he found")
+    logits, _ = model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids)))
+    sampler = Sampler(settings, model.cfg.vocab_size)
+    for position in range(300):
+        row, window = logits[position % len(ids)], torch.tensor(ids[: position % len(ids) + 1])
+        expected = int(sampler.choose(sampler.scores(row[None], window[None]), [position])[0])
+        assert sampler.draw(row, window, position) == expected, position
+
+
 def test_greedy_is_argmax_of_penalised_logits() -> None:
     logits = torch.tensor([[3.0, 2.9, 1.0]])
     s = SamplingSettings(temperature=0, penalty=1.1, penalty_window=4)

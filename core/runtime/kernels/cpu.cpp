@@ -490,6 +490,25 @@ Linear linear_from(int64_t fmt, const torch::Tensor& a, const torch::Tensor& d, 
   return L;
 }
 
+// The largest of v[0 .. n) (-inf if none), 16 lanes at a time; a maximum is the same in any order (v holds no NaN).
+inline float max_of(const float* v, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 lanes = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(v + i));
+  m = _mm512_reduce_max_ps(lanes);
+#elif defined(__AVX2__)
+  __m256 lanes = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(v + i));
+  float lane[8];
+  _mm256_storeu_ps(lane, lanes);
+  for (float x : lane) m = x > m ? x : m;
+#endif
+  for (; i < n; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Attention of a block of n new tokens (rows: the G query heads of each KV head times the n tokens, row g * n + i)
 // over the keys each may see, taken in logical order: the `past` committed keys (slot = position), then the token's
@@ -501,13 +520,17 @@ constexpr int64_t kChunk = 256;
 constexpr int64_t kTile = 64;  // keys per score tile
 
 // Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order.
+// `next` (or null): keys of the same layout (stride nks) fetched meanwhile, a row of kTile per row multiplied.
 template <int RB, int D>
-inline void score_tile(const float* q, const float* kt, int64_t ks, int64_t width, float* p, int64_t ldp) {
+inline void score_tile(const float* q, const float* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
+                       const float* next, int64_t nks) {
   float acc[RB][kTile];
   for (int r = 0; r < RB; ++r)
     for (int l = 0; l < kTile; ++l) acc[r][l] = 0.0f;
   for (int j = 0; j < D; ++j) {
     const float* kj = kt + j * ks;
+    if (next != nullptr)
+      for (int64_t l = 0; l < kTile; l += 16) __builtin_prefetch(next + j * nks + l, 0, 3);
     for (int r = 0; r < RB; ++r) {
       const float qj = q[r * D + j];
 #pragma omp simd
@@ -541,13 +564,13 @@ void scores(const float* q, int64_t R, const float* kt, int64_t ks, int64_t s0, 
       src = pad;
       stride = kTile;
     }
-    // the next tile's keys (D rows of kTile floats, each its own stream) are fetched while this one is multiplied:
-    // the hardware prefetcher follows too few streams at once to have them in time
-    if (t0 + kTile < n)
-      for (int j = 0; j < D; ++j)
-        for (int64_t l = 0; l < kTile; l += 16) __builtin_prefetch(kt + s0 + t0 + kTile + j * ks + l, 0, 3);
+    // The next tile's keys (D rows of kTile floats, each its own stream; past the last tile, the next chunk's: a
+    // thread's next task) are fetched while this one is multiplied, spread over its rows: the hardware prefetcher
+    // follows too few streams at once to have them in time, and a burst of them all waits on the misses in flight.
+    const float* next = kt + s0 + t0 + kTile;
     for_row_blocks(R, [&](auto rows, int64_t r) {
-      score_tile<decltype(rows)::value, D>(q + r * D, src, stride, width, p + r * ldp + t0, ldp);
+      score_tile<decltype(rows)::value, D>(q + r * D, src, stride, width, p + r * ldp + t0, ldp,
+                                           r == 0 ? next : nullptr, ks);
     });
   }
 }
@@ -609,11 +632,10 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const float* kp, 
         float* pr = &p[r * kChunk];
         for (int64_t l = std::max(shared, int64_t{0}); l < count; ++l)  // its block keys, in logical order
           pr[l] = block[(h * R + r) * n + anc[i][c0 + l - past]];
-        const int64_t start = window > 0 ? std::max<int64_t>(0, len[i] - window) : 0;
-        for (int64_t l = 0; l < count; ++l)
-          if (c0 + l < start) pr[l] = -std::numeric_limits<float>::infinity();
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t l = 0; l < count; ++l) m = std::max(m, pr[l]);
+        if (window > 0)  // keys before the row's window are hidden
+          std::fill(pr, pr + std::clamp<int64_t>(len[i] - window - c0, 0, count),
+                    -std::numeric_limits<float>::infinity());
+        const float m = max_of(pr, count);
         mx[r] = m;
         float s = 0.0f;
         if (count == 0 || std::isinf(m)) {  // no visible key of this row in this chunk
@@ -783,19 +805,6 @@ inline float gumbel(uint64_t key, int64_t id) {
   return static_cast<float>(-std::log(-std::log(u)));
 }
 
-// The largest of v[0 .. n) (-inf if none), in 16 lanes so it vectorises; a maximum is the same in any order.
-inline float max_of(const float* v, int64_t n) {
-  constexpr int kLanes = 16;
-  float lane[kLanes];
-  std::fill(lane, lane + kLanes, -std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] = v[i + l] > lane[l] ? v[i + l] : lane[l];
-  float m = -std::numeric_limits<float>::infinity();
-  for (int l = 0; l < kLanes; ++l) m = lane[l] > m ? lane[l] : m;
-  for (; i < n; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
 
 // The tokens whose e[i] >= lo, in id order: their values into ce and ids into ci (both resized); returns how many.
 int64_t tokens_at_least(const float* e, int64_t n, float lo, std::vector<float>& ce, std::vector<int32_t>& ci) {
@@ -828,8 +837,12 @@ int64_t tokens_at_least(const float* e, int64_t n, float lo, std::vector<float>&
 }
 
 // Temperature, top-k, top-p and min-p on scores v[0 .. vocab) in place (filtered scores become -inf): the draw's
-// filters (see draw), shared with the drafts' ranking so a draft is ranked as the token will be drawn.
-void filter_scores(float* v, int64_t vocab, double temperature, double top_p, int64_t top_k, double min_p) {
+// filters (see draw), shared with the drafts' ranking so a draft is ranked as the token will be drawn. With `kept`
+// (the draw's), where top-p decides last and its nucleus lies among the tokens it ranked, the kept tokens' ids come
+// back in id order instead, their scores as filtered and the others' left as they were (true returned): the draw
+// then reads those alone, not the whole vocabulary twice more.
+bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, int64_t top_k, double min_p,
+                   std::vector<int32_t>* kept = nullptr) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const float t = static_cast<float>(temperature);
   for (int64_t i = 0; i < vocab; ++i) v[i] = v[i] / t;
@@ -858,10 +871,14 @@ void filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
     // their mass (summed in id order), until one would reach the goal; that one is ranked token by token.
     thread_local std::vector<float> ce;
     thread_local std::vector<int32_t> ci;
-    int64_t nc = tokens_at_least(e.data(), vocab, 1e-6f, ce, ci);
+    float lo = 1e-6f;
+    int64_t nc = tokens_at_least(e.data(), vocab, lo, ce, ci);
     double big = 0.0;
     for (int64_t j = 0; j < nc; ++j) big += ce[j];
-    if (big < goal) nc = tokens_at_least(e.data(), vocab, std::numeric_limits<float>::denorm_min(), ce, ci);
+    if (big < goal) {
+      lo = std::numeric_limits<float>::denorm_min();
+      nc = tokens_at_least(e.data(), vocab, lo, ce, ci);
+    }
     constexpr int kBuckets = 1 << 11;  // float bits >> 19 of a value in (0, 1]
     auto bucket = [](float x) {
       uint32_t bits;
@@ -905,6 +922,15 @@ void filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
       }
     }
     std::fill(bmass.begin() + low, bmass.begin() + top + 1, 0.0);
+    // a token below the ranked ones shares their lowest bucket at most: above it, the nucleus is ranked tokens only
+    if (kept != nullptr && min_p <= 0.0 && cut > bucket(lo)) {
+      kept->clear();
+      for (int64_t j = 0; j < nc; ++j)
+        if (bucket(ce[j]) >= cut) kept->push_back(ci[j]);
+      for (const auto& [id, score] : partial) kept->push_back(static_cast<int32_t>(id));
+      std::sort(kept->begin(), kept->end());
+      return true;
+    }
     for (int64_t i = 0; i < vocab; ++i) v[i] = e[i] > 0.0f && bucket(e[i]) >= cut ? v[i] : ninf;
     for (const auto& [id, score] : partial) v[id] = score;
   }
@@ -913,6 +939,19 @@ void filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
     for (int64_t i = 0; i < vocab; ++i)
       if (exp_nonpositive(v[i] - m) < static_cast<float>(min_p)) v[i] = ninf;
   }
+  return false;
+}
+
+// The first i with v[i] == x (x one of v's values).
+inline int64_t first_equal(const float* v, int64_t n, float x) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(x);
+  for (; i + 16 <= n; i += 16)
+    if (const uint32_t k = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), target, _CMP_EQ_OQ)) return i + __builtin_ctz(k);
+#endif
+  while (v[i] != x) ++i;
+  return i;
 }
 
 // f(i) for each i in 0 .. n with v[i] > -inf, in order; the blocks of 16 with none are skipped in one test.
@@ -962,19 +1001,23 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
     }
     for (int64_t j = 0; j < wc.numel(); ++j) seen[wp[j]] = 0;
   }
-  auto first_max = [&](auto score) {
-    int64_t best = -1;
-    float top = ninf;
-    for_each_finite(v.data(), vocab, [&](int64_t i) {
-      const float x = score(i);
-      if (best < 0 || x > top) best = i, top = x;
-    });
-    return best;
-  };
-  if (temperature == 0.0) return first_max([&](int64_t i) { return v[i]; });
-  filter_scores(v.data(), vocab, temperature, top_p, top_k, min_p);
+  if (temperature == 0.0) {  // the first of the largest scores (none: every token banned)
+    const float m = max_of(v.data(), vocab);
+    return m == ninf ? -1 : first_equal(v.data(), vocab, m);
+  }
   const uint64_t k64 = static_cast<uint64_t>(key);
-  return first_max([&](int64_t i) { return v[i] + gumbel(k64, i); });
+  int64_t best = -1;
+  float top = ninf;
+  auto consider = [&](int64_t i) {  // in id order: the first of the largest noisy scores
+    const float x = v[i] + gumbel(k64, i);
+    if (best < 0 || x > top) best = i, top = x;
+  };
+  thread_local std::vector<int32_t> kept;
+  if (filter_scores(v.data(), vocab, temperature, top_p, top_k, min_p, &kept))
+    for (const int32_t i : kept) consider(i);
+  else
+    for_each_finite(v.data(), vocab, consider);
+  return best;
 }
 
 // Drafts ranked as they will be drawn: per row of a drafter's logits over token ids `ids` (empty: column j is token
