@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from core.runtime import large_pages
 from core.runtime.gguf_file import read_table, read_tensor
 from core.runtime.model import ModelConfig, NativeEmbedding, Transformer, rope_frequencies
 from core.runtime.skeleton import skeleton
@@ -99,7 +100,10 @@ def build_native_model(cfg: ModelConfig, path: Path) -> Transformer:
     def linear(*names: str, rows: list[np.ndarray | None] | None = None) -> NativeLinear:
         parts = [f.matrix(f"{name}.weight", (rows or [None] * len(names))[i]) for i, name in enumerate(names)]
         biases = [bias(f"{name}.bias") for name in names]
-        return NativeLinear(fused(parts, torch.cat(biases) if all(b is not None for b in biases) else None))
+        layer = NativeLinear(fused(parts, torch.cat(biases) if all(b is not None for b in biases) else None))
+        del parts
+        large_pages.release_freed()
+        return layer
 
     # the largest matrices first, while nothing else is resident: their transient copies then set no peak
     model.lm_head = linear("output" if f.has("output.weight") else "token_embd")

@@ -16,15 +16,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from core.runtime import large_pages
 from core.runtime.kernels import cpu
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A zeroed cache buffer: on a CPU on huge pages (large_pages), which every step's attention reads."""
+    if torch.device(device).type == "cpu":
+        return large_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def key_buffer(n_layers: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype,
                device: torch.device | str) -> Tensor:
     """A zeroed [n_layers, n_kv_heads, slots, head_dim] key buffer; transposed underneath on a float32 CPU."""
     if torch.device(device).type == "cpu" and dtype == torch.float32:
-        return torch.zeros(n_layers, n_kv_heads, head_dim, slots, dtype=dtype, device=device).transpose(2, 3)
-    return torch.zeros(n_layers, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
+        return zeroed((n_layers, n_kv_heads, head_dim, slots), dtype, device).transpose(2, 3)
+    return zeroed((n_layers, n_kv_heads, slots, head_dim), dtype, device)
 
 
 class KVCacheTooLarge(ValueError):
@@ -71,7 +79,7 @@ class KVCache:
         # keys and values of every layer: sized against the GPU's free memory first, with a clear refusal
         check_fits(max_len, 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize, device)
         self.k = key_buffer(n_layers, n_kv_heads, max_len, head_dim, dtype, device)
-        self.v = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = zeroed((n_layers, n_kv_heads, max_len, head_dim), dtype, device)
         self.max_len = max_len
         self.length = 0  # committed tokens
         self.n_new = 0  # tokens written by the last forward, not yet committed
@@ -153,7 +161,7 @@ class PartialKVCache:
         n_layers, n_kv, _, d = full.k.shape
         # budget slots plus room for the draft pass's own new tokens
         self.k = key_buffer(n_layers, n_kv, budget + 8, d, full.k.dtype, full.k.device)
-        self.v = torch.zeros(n_layers, n_kv, budget + 8, d, dtype=full.v.dtype, device=full.v.device)
+        self.v = zeroed((n_layers, n_kv, budget + 8, d), full.v.dtype, full.v.device)
         self.selected_at: int | None = None  # full length at the last selection
         self.synced = 0  # full length up to which recent tokens were copied in
         self.selections = 0

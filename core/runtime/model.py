@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.runtime import large_pages
 from core.runtime.kernels import cpu
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.runtime.weights import NativeLinear, PackedWeight, pack
@@ -297,6 +298,7 @@ class Transformer(nn.Module):
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 if isinstance(getattr(block, name), nn.Linear):
                     setattr(block, name, NativeLinear.of(getattr(block, name), fmt, bf16))
+                    large_pages.release_freed()  # the float matrix's pages, before the next is packed
         if isinstance(self.lm_head, nn.Linear):
             self.lm_head = NativeLinear.of(self.lm_head, fmt, bf16)
             if self.cfg.tie_embeddings:  # one table: the embedding reads the lm_head's rows

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from core.runtime import large_pages
 from core.runtime.kernels import cpu
 
 COLS = 16  # output columns per tile
@@ -126,15 +127,15 @@ def from_blocks(fmt: str, q: Tensor, d: Tensor, m: Tensor | None = None, bias: T
     if k % BLOCK:
         raise ValueError(f"quantized weights need a row length that is a multiple of {BLOCK}, got {k}")
     b = k // BLOCK
-    scales = _pad_rows(d.to(torch.float16)).view(-1, COLS, b).permute(0, 2, 1).contiguous()
+    scales = large_pages.contiguous(_pad_rows(d.to(torch.float16)).view(-1, COLS, b).permute(0, 2, 1))
     if fmt == "q8_0":
-        tiles = _pad_rows(q.to(torch.int8)).view(-1, COLS, b, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+        tiles = large_pages.contiguous(_pad_rows(q.to(torch.int8)).view(-1, COLS, b, 8, 4).permute(0, 2, 3, 1, 4))
         return PackedWeight("q8_0", n, k, tiles, scales, None, bias)
     if fmt != "q4_1" or m is None:
         raise ValueError(f"unknown quantized format {fmt!r} (or q4_1 without mins)")
     nib = _pad_rows(q.to(torch.uint8)).view(-1, COLS, b, 8, 4).permute(0, 2, 3, 1, 4)
-    tiles = (nib[:, :, :4] | (nib[:, :, 4:] << 4)).contiguous()
-    mins = _pad_rows(m.to(torch.float16)).view(-1, COLS, b).permute(0, 2, 1).contiguous()
+    tiles = large_pages.contiguous(nib[:, :, :4] | (nib[:, :, 4:] << 4))
+    mins = large_pages.contiguous(_pad_rows(m.to(torch.float16)).view(-1, COLS, b).permute(0, 2, 1))
     return PackedWeight("q4_1", n, k, tiles, scales, mins, bias)
 
 
@@ -179,7 +180,7 @@ def _quantize_q4_1(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def dense_tiles(w: Tensor) -> Tensor:
     """[T, K, 16] tiles of a weight [n, k] in its own dtype, rows padded with zeros to a multiple of 16."""
-    return _pad_rows(w).view(-1, COLS, w.shape[1]).transpose(1, 2).contiguous()
+    return large_pages.contiguous(_pad_rows(w).view(-1, COLS, w.shape[1]).transpose(1, 2))
 
 
 def pack(w: Tensor, fmt: str, bias: Tensor | None = None) -> PackedWeight:
