@@ -387,12 +387,13 @@ class Transformer(nn.Module):
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Next-token logits (fp32) from pre-final-norm hidden states; in bf16 mode the final norm on the kernels,
-        rounded as in the stack, and bf16 logits (the lm_head rounds), widened."""
-        if self.bf16_activations:
+        """Next-token logits (fp32) from pre-final-norm hidden states. A native model takes the final norm on the
+        kernels, as the stack takes its own (in bf16 mode rounded as there, and the lm_head rounds: bf16 logits,
+        widened)."""
+        if self.native:
             rows = hidden.reshape(-1, self.cfg.hidden_size).float()
-            normed = cpu.rms_norm(rows, self.norm.weight, self.cfg.rms_eps, True).view(hidden.shape)
-            return self.lm_head(normed)
+            normed = cpu.rms_norm(rows, self.norm.weight, self.cfg.rms_eps, self.bf16_activations)
+            return self.lm_head(normed.view(hidden.shape)).float()
         return self.lm_head(self.norm(hidden)).float()
 
     def forward(
