@@ -805,7 +805,6 @@ inline float gumbel(uint64_t key, int64_t id) {
   return static_cast<float>(-std::log(-std::log(u)));
 }
 
-
 // The tokens whose e[i] >= lo, in id order: their values into ce and ids into ci (both resized); returns how many.
 int64_t tokens_at_least(const float* e, int64_t n, float lo, std::vector<float>& ce, std::vector<int32_t>& ci) {
   ce.resize(n + 16);
@@ -942,16 +941,18 @@ bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
   return false;
 }
 
-// The first i with v[i] == x (x one of v's values).
+// The first i with v[i] == x, or -1.
 inline int64_t first_equal(const float* v, int64_t n, float x) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 target = _mm512_set1_ps(x);
   for (; i + 16 <= n; i += 16)
-    if (const uint32_t k = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), target, _CMP_EQ_OQ)) return i + __builtin_ctz(k);
+    if (const uint32_t k = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), target, _CMP_EQ_OQ))
+      return i + __builtin_ctz(k);
 #endif
-  while (v[i] != x) ++i;
-  return i;
+  for (; i < n; ++i)
+    if (v[i] == x) return i;
+  return -1;
 }
 
 // f(i) for each i in 0 .. n with v[i] > -inf, in order; the blocks of 16 with none are skipped in one test.
