@@ -1,6 +1,6 @@
 """The weights and the KV cache on huge pages: where this Linux grants them on request, the default model's packed
-weights and a cache are backed by 2 MiB pages (as /proc/self/smaps reports them), hold the same numbers as ordinary
-tensors, and loading keeps no more resident than before (the heap's transient copies are given back)."""
+weights and a cache are backed by 2 MiB pages (as /proc/self/smaps reports them) and hold the same numbers as
+ordinary tensors."""
 from __future__ import annotations
 
 import pytest
