@@ -51,16 +51,13 @@ def test_the_default_models_weights_and_cache_are_on_huge_pages(smol_engine) -> 
     assert cache.k.stride(2) == 1 and bool((cache.k == 0).all()) and bool((cache.v == 0).all())
 
 
-def test_packed_weights_in_the_arena_hold_the_same_numbers() -> None:
+def test_packed_weights_in_the_arena_hold_the_same_numbers(monkeypatch) -> None:
     w = torch.randn(200, 256, generator=torch.Generator().manual_seed(0))
     for fmt in ("f32", "bf16", "q8_0", "q4_1"):
         arena = pack(w, fmt)
-        real = large_pages.reserve
-        large_pages.reserve = lambda nbytes: None  # no huge pages: ordinary tensors
-        try:
+        with monkeypatch.context() as no_huge_pages:  # ordinary tensors
+            no_huge_pages.setattr(large_pages, "reserve", lambda nbytes: None)
             plain = pack(w, fmt)
-        finally:
-            large_pages.reserve = real
         for a, b in ((arena.data, plain.data), (arena.d, plain.d), (arena.m, plain.m)):
             assert (a is None) == (b is None)
             if a is not None:
