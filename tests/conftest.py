@@ -115,10 +115,15 @@ def smol_engine():
 
 @pytest.fixture(scope="session")
 def smol_fp32():
-    """The default model dequantized to fp32 on our CPU kernels: the numbers transformers computes with."""
+    """The default model dequantized to fp32 on our CPU kernels, with an fp32 KV cache (the engine's is bf16): the
+    numbers transformers computes with."""
+    import torch
+
     from core.engine import Engine
 
-    return Engine.load("smollm2-135m", heads=None, device="cpu", weights="fp32")
+    engine = Engine.load("smollm2-135m", heads=None, device="cpu", weights="fp32")
+    engine.model.kv_dtype = torch.float32
+    return engine
 
 
 # -- the studio server (tests/test_app_api.py, tests/test_browser.py) ----------------------------------------------

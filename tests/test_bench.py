@@ -50,7 +50,8 @@ def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
     # every draft verified, so each source's drafts are tried however unlikely the calibrator finds them
     engine = Engine(loaded, DraftHeads.initial(loaded.model, root_width=16),
                     TokenSwiftOptions(draft_depth=MAX_TREE, min_draft_score=0.0))
-    prompt = torch.randint(512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    # a prompt after which this model's greedy text repeats itself a few times (n-gram drafts can be right)
+    prompt = torch.randint(512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     runs = {m: run_ours(engine, m, prompt, 300, PRESETS["greedy"])
             for m in ("ar", "tokenswift", "tokenswift-no-ngram", "tokenswift-no-heads", "tokenswift-no-root",
                       "tokenswift-tree2")}
@@ -164,7 +165,7 @@ def test_cost_curve_times_the_native_decoder_beside_pytorchs(tiny_model_dir: Pat
         (m, L, n) for m in ("native q8_0", "torch fp32") for L in (40, 100) for n in (1, 3)}
     assert all(r["ms"] > 0 for r in rows)
     assert all(r["vs_one"] == 1.0 for r in rows if r["n"] == 1)
-    # the memory floor counts the bytes of the weights as stored (q8_0 blocks) and the keys/values at each L
+    # the memory floor counts the bytes of the weights as stored (q8_0 blocks) and the keys/values at each L (bf16)
     assert "Memory floor of a one-token step of `native q8_0`" in table
     floor = report["memory_floor"]
     from core.runtime.loading import load_model
@@ -176,7 +177,7 @@ def test_cost_curve_times_the_native_decoder_beside_pytorchs(tiny_model_dir: Pat
     assert weights < sum(m.in_features * m.out_features for m in [*layers, model.lm_head]) * 1.1  # ~1 byte each
     assert floor["read_gb_s"] > 0 and [r["context"] for r in floor["rows"]] == [40, 100]
     for r in floor["rows"]:
-        kv = 4 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * r["context"]
+        kv = 2 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * r["context"]
         assert r["mb"] == round((weights + kv) / 1e6, 1)
         assert r["floor_ms"] == pytest.approx((weights + kv) / (floor["read_gb_s"] * 1e9) * 1000, rel=0.06)
         assert 0 < r["achieved"]

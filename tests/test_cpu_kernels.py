@@ -263,6 +263,40 @@ def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past:
             assert torch.equal(alone, together[:, [g * n + i for g in range(group)]]), (n, i)
 
 
+@pytest.mark.parametrize("past", [0, 300])
+def test_a_bf16_cache_is_attended_as_its_values_widened_to_fp32(past: int) -> None:
+    """Keys and values in bf16 (half the bytes read) give exactly the floats of an fp32 cache holding the same
+    values: widening is exact and the arithmetic is the fp32 path's, tree blocks included."""
+    kv, group, d, n = 3, 3, 64, 5
+    keys, values = cache(kv, past + n + 9, d, seed=past)
+    q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(4))
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
+    k16 = keys.transpose(1, 2).to(torch.bfloat16).transpose(1, 2)  # still stored transposed
+    v16 = values.to(torch.bfloat16)
+    assert k16.stride(1) == 1
+    for visible in (tree, None):
+        wide = cpu.attend(q, k16.float(), v16.float(), n, past, visible, None, d**-0.5)
+        assert torch.equal(cpu.attend(q, k16, v16, n, past, visible, None, d**-0.5), wide)
+        assert not torch.equal(cpu.attend(q, keys, values, n, past, visible, None, d**-0.5), wide)
+
+
+def test_the_decoder_rounds_each_key_and_value_once_as_it_writes_them(tiny_dir: Path) -> None:
+    """The first layer's keys and values do not depend on the cache: in a bf16 cache they are PyTorch's rounding of
+    those an fp32 cache receives."""
+    model = load_model(str(tiny_dir), device="cpu", weights="fp32").model
+    ids = torch.randint(512, (70,), generator=torch.Generator().manual_seed(6))
+    caches = []
+    for kv in (torch.float32, torch.bfloat16):
+        model.kv_dtype = kv
+        with torch.inference_mode():
+            model(ids, torch.arange(70), c := model.new_cache(70))
+        caches.append(c)
+    wide, narrow = caches
+    for name in ("k", "v"):
+        assert torch.equal(getattr(narrow, name)[0], getattr(wide, name)[0].to(torch.bfloat16)), name
+    assert not torch.equal(narrow.k[0].float(), wide.k[0])
+
+
 # -- the native decoder ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -315,13 +349,26 @@ def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weig
 
 
 def test_native_fp32_matches_pytorchs_operators(tiny_dir: Path) -> None:
+    """The kernels compute PyTorch's model with its KV cache in either format. In bf16 both paths round each key and
+    value as it is written; a key whose fp32 sums (taken in another order) fall on either side of a rounding
+    boundary lands on a neighbouring bf16 value, so the logits agree to 2e-3 there, where an fp32 cache on one side
+    misses by far more."""
     native = load_model(str(tiny_dir), device="cpu", weights="fp32").model
     plain = load_model(str(tiny_dir), device="cpu", native=False).model
+    assert native.cache_dtype == torch.bfloat16 and plain.cache_dtype == torch.float32  # the defaults
     ids = torch.randint(512, (40,), generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode():
-        a, _ = native(ids, torch.arange(40), native.new_cache(41))
-        b, _ = plain(ids, torch.arange(40), plain.new_cache(41))
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+    def logits(model, kv: torch.dtype) -> torch.Tensor:
+        model.kv_dtype = kv
+        with torch.inference_mode():
+            out, _ = model(ids, torch.arange(40), c := model.new_cache(41))
+        assert c.k.dtype == c.v.dtype == kv
+        return out
+
+    torch.testing.assert_close(logits(native, torch.float32), logits(plain, torch.float32), rtol=1e-4, atol=1e-4)
+    reference = logits(plain, torch.bfloat16)
+    torch.testing.assert_close(logits(native, torch.bfloat16), reference, rtol=2e-3, atol=2e-3)
+    assert not torch.allclose(logits(native, torch.float32), reference, rtol=2e-3, atol=2e-3)
 
 
 def with_random_norms_and_biases(folder: Path, seed: int) -> Path:
@@ -366,6 +413,7 @@ def test_native_bf16_computes_the_numerics_of_pytorchs_bf16_model(tmp_path: Path
     native = load_model(str(folder), device="cpu", weights="bf16").model
     fp32_acts = load_model(str(folder), device="cpu", weights="bf16", native=False).model
     fp32_acts.to_native("bf16", activations="fp32")
+    fp32_acts.kv_dtype = torch.float32  # so its keys and values show what fp32 activations compute
     plain = load_model(str(folder), device="cpu", weights="bf16", native=False).model
     assert native.bf16_activations and not fp32_acts.bf16_activations and plain.dtype == torch.bfloat16
     ids = torch.randint(512, (200,), generator=torch.Generator().manual_seed(2))
@@ -378,7 +426,8 @@ def test_native_bf16_computes_the_numerics_of_pytorchs_bf16_model(tmp_path: Path
         monkeypatch.setattr("core.runtime.model.attention", fused_attention)
         reference, _ = plain(ids, positions, plain.new_cache(200))
     reference = reference.float()
-    for t in (hidden, c.k, c.v, logits):
+    assert c.k.dtype == c.v.dtype == torch.bfloat16
+    for t in (hidden, logits):
         assert torch.equal(to_bf16(t), t)
     for t in (hidden32, c32.k, c32.v, logits32):
         assert not torch.equal(to_bf16(t), t)
@@ -460,7 +509,7 @@ def test_every_weights_choice_runs_on_the_kernels_and_kernels_off_on_pytorch(tmp
                                                                             tied: bool) -> None:
     """On a CPU every --weights choice packs every matrix for the kernels in its format (auto: a safetensors
     checkpoint's fp32); bf16 keeps the embedding table in bf16 too, looked up as fp32 rows, and rounds activations
-    to bf16 (only it); the norms and the KV cache are fp32 tensors (of bf16 values for bf16). With
+    to bf16 (only it); the norms are fp32 tensors (of bf16 values for bf16), the KV cache bf16. With
     TOKENSWIFT_KERNELS=off the model runs on PyTorch's operators in the dtype asked for."""
     from core.runtime.model import NativeEmbedding
 
@@ -470,7 +519,7 @@ def test_every_weights_choice_runs_on_the_kernels_and_kernels_off_on_pytorch(tmp
         model = load_model(str(folder), device="cpu", weights=weights).model
         matrices = [getattr(b, name) for b in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
         assert model.native and {m.packed.fmt for m in [*matrices, model.lm_head]} == {fmt}, weights
-        assert model.dtype == torch.float32 and model.new_cache(4).k.dtype == torch.float32
+        assert model.dtype == torch.float32 and model.new_cache(4).k.dtype == torch.bfloat16
         assert model.bf16_activations == (weights == "bf16")
         assert {m.bf16_out for m in [*matrices, model.lm_head]} == {weights == "bf16"}
         if weights == "bf16":

@@ -32,14 +32,17 @@ def test_keep_compacts_rows_in_place() -> None:
     assert c.v[0, 0, 3:6, 1].tolist() == [-1.0, -5.0, -9.0]
 
 
-def test_the_kernels_keep_moves_the_rows_torchs_indexing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_keep_moves_the_rows_torchs_indexing_moves(monkeypatch: pytest.MonkeyPatch,
+                                                              dtype: torch.dtype) -> None:
     """The kernel's compaction (every layer in one call, keys stored transposed) leaves the cache exactly as
     PyTorch's advanced indexing does; rows out of order or outside the block are refused."""
     caches = []
     for native in (True, False):
         if not native:
             monkeypatch.setattr("core.runtime.kv_cache.cpu.kernel", lambda: None)
-        c = KVCache(n_layers=3, n_kv_heads=2, head_dim=16, max_len=40, dtype=torch.float32, device="cpu")
+        c = KVCache(n_layers=3, n_kv_heads=2, head_dim=16, max_len=40, dtype=dtype, device="cpu")
+        assert c.k.stride(2) == 1  # keys stored transposed, as the kernel reads them
         gen = torch.Generator().manual_seed(3)
         c.k.copy_(torch.randn(c.k.shape, generator=gen))
         c.v.copy_(torch.randn(c.v.shape, generator=gen))

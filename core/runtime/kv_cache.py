@@ -8,8 +8,10 @@ The partial cache (TokenSwift's dynamic KV management) gives the one-token draft
 tokens, the tokens the latest query attends to most (scored per KV head), and the most recent tokens, which
 overwrite the lowest-scored slots as they arrive. Once they would reach the sinks, the whole sequence is re-scored.
 
-On a CPU in float32 both caches store keys transposed ([layers, kv_heads, d, slots] underneath a [.., slots, d]
-view), the layout the attention kernel (kernels/cpu.cpp) reads: its scores then vectorise along the keys.
+On a CPU in float32 or bfloat16 both caches store keys transposed ([layers, kv_heads, d, slots] underneath a
+[.., slots, d] view), the layout the attention kernel (kernels/cpu.cpp) reads: its scores then vectorise along the
+keys. A native model's cache is bfloat16 (Transformer.kv_dtype): keys and values rounded once where they are written,
+half the bytes every step reads.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from torch import Tensor
 
 from core.runtime import large_pages
 from core.runtime.kernels import cpu
+
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache formats the CPU kernel reads
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
@@ -29,8 +34,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 def key_buffer(n_layers: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype,
                device: torch.device | str) -> Tensor:
-    """A zeroed [n_layers, n_kv_heads, slots, head_dim] key buffer; transposed underneath on a float32 CPU."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
+    """A zeroed [n_layers, n_kv_heads, slots, head_dim] key buffer; transposed underneath on a CPU in the kernel's
+    formats."""
+    if torch.device(device).type == "cpu" and dtype in NATIVE_DTYPES:
         return zeroed((n_layers, n_kv_heads, head_dim, slots), dtype, device).transpose(2, 3)
     return zeroed((n_layers, n_kv_heads, slots, head_dim), dtype, device)
 
@@ -129,7 +135,7 @@ class KVCache:
         if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < self.n_new):
             raise ValueError(f"rows to keep must be distinct, increasing and in the last block, got {rows}")
         if rows != list(range(m)):
-            native = cpu.kernel() if self.k.device.type == "cpu" and self.k.dtype == torch.float32 else None
+            native = cpu.kernel() if self.k.device.type == "cpu" and self.k.dtype in NATIVE_DTYPES else None
             if native is not None:  # one call for every layer (torch's indexing costs more than the copy here)
                 native.keep_rows(self.k, self.v, start, rows)
             else:  # advanced indexing gathers into a new tensor first, so overlapping source/destination is safe
@@ -214,7 +220,7 @@ class PartialKVCache:
         keys = self.full.k[layer, :, :L]  # [kv_heads, L, d]
         n_kv = keys.shape[0]
         # Raw dot-product scores of the latest query, summed over the query heads that share each KV head.
-        scores = torch.einsum("gd,gld->gl", q.reshape(n_kv, -1, q.shape[-1]).sum(1), keys)
+        scores = torch.einsum("gd,gld->gl", q.reshape(n_kv, -1, q.shape[-1]).sum(1), keys.to(q.dtype))
         S = self.SINKS
         top = scores[:, S:].topk(self.budget - S, dim=-1).indices + S  # sorted by score, best first
         idx = torch.cat([torch.arange(S, device=keys.device).expand(n_kv, S), top], dim=1)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from core.runtime import large_pages
 from core.runtime.kernels import cpu
-from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.runtime.kv_cache import NATIVE_DTYPES, KVCache, PartialKVCache
 from core.runtime.weights import NativeLinear, PackedWeight, pack
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -191,6 +191,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, seen: Visibility) -> Tens
     qg = q.reshape(kv, (h // kv) * n, d)
     if native_attention(q, keys):
         return cpu.attend(qg, keys, values, n, seen.past, seen.block_mask, seen.window, d**-0.5).view(h, n, d)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache read by fp32 queries: widened, exact
     if q.device.type == "cpu":
         if seen.bias is None:
             scores = torch.matmul(qg, keys.transpose(1, 2)).mul_(d**-0.5)
@@ -203,9 +204,11 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, seen: Visibility) -> Tens
 
 
 def native_attention(q: Tensor, keys: Tensor) -> bool:
-    """Whether our CPU kernel runs this attention: float32 on a CPU, keys stored transposed, a head size it has."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and keys.stride(1) == 1
-            and q.shape[-1] in cpu.HEAD_SIZES and not torch.compiler.is_compiling() and cpu.kernel() is not None)
+    """Whether our CPU kernel runs this attention: float32 queries on a CPU, fp32 or bf16 keys stored transposed, a
+    head size it has."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and keys.dtype in NATIVE_DTYPES
+            and keys.stride(1) == 1 and q.shape[-1] in cpu.HEAD_SIZES and not torch.compiler.is_compiling()
+            and cpu.kernel() is not None)
 
 
 class NativeEmbedding(nn.Module):
@@ -263,6 +266,7 @@ class Transformer(nn.Module):
         self._rope_table: tuple[Tensor, Tensor] | None = None
         self.native = False  # set by to_native
         self.bf16_activations = False  # a native model rounding its activations to bf16 (to_native)
+        self.kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: the weights' (to_native sets bf16)
         self._native_args: tuple[list[Tensor], list[Tensor], list[int]] | None = None  # the stack's weights, listed
 
     @property
@@ -282,9 +286,10 @@ class Transformer(nn.Module):
         `activations`: "fp32" (the default but for bf16 weights) computes in fp32 whatever the weights' format;
         "bf16" (bf16 weights only; their default) rounds to bf16 where a bf16 model stores a tensor (cpu.cpp:
         round_bf16 lists where), so the kernels compute what the PyTorch path computes in bf16 on CUDA, every row
-        alike. Either way the norms, rotary table and KV cache are fp32 tensors (exact: a bf16 value widens to the
-        same number; in bf16 mode the norms' weights, biases, an untied embedding table and the rotary table are
-        rounded to bf16 first, and the cache holds bf16 values); bf16 matrices stay bf16. The draft pass over a
+        alike. Either way the norms and rotary table are fp32 tensors (exact: a bf16 value widens to the same
+        number; in bf16 mode the norms' weights, biases, an untied embedding table and the rotary table are rounded
+        to bf16 first); bf16 matrices stay bf16. The KV cache is bf16 (`kv_dtype`; float32 may be set instead):
+        keys and values rounded once as they are written, which bf16 mode's already are. The draft pass over a
         partial cache (separate mode) runs the layers one by one: its linear layers round, its glue is fp32."""
         bf16 = fmt == "bf16" if activations is None else activations == "bf16"
         if activations not in (None, "fp32", "bf16") or (bf16 and fmt != "bf16"):
@@ -309,11 +314,16 @@ class Transformer(nn.Module):
         self.float()  # what is left (the norms) computes in fp32
         self._rope_table = None  # rebuilt in fp32 (of bf16 values in bf16 mode) on the next forward
         self.native, self.bf16_activations, self._native_args = True, bf16, None
+        self.kv_dtype = torch.bfloat16
         return True
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
     def new_cache(self, max_len: int) -> KVCache:
         cfg = self.cfg
-        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len, self.dtype, self.device)
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len, self.cache_dtype, self.device)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin rows [n, head_dim] of the rotary embedding at these positions, from a table computed once

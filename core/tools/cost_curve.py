@@ -121,7 +121,7 @@ def weight_bytes(model: Transformer) -> int:
 def step_bytes(model: Transformer, context: int) -> int:
     """Bytes a one-token forward reads at least: every weight matrix and the keys and values of `context` tokens."""
     cfg = model.cfg
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.dtype.itemsize
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.cache_dtype.itemsize
     return weight_bytes(model) + kv
 
 

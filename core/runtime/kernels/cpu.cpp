@@ -11,7 +11,8 @@
 // tokens equal vanilla decoding's. How:
 // - work is split over output columns (linear) or (head, key chunk) tasks (attention), never inside a row's sum;
 // - every multiply-add is an explicit fma (the file is built with -ffp-contract=off, so nothing else is fused);
-// - bf16 weights widen to fp32 exactly (a bf16 is a float's upper 16 bits) and then take the fp32 arithmetic;
+// - bf16 weights and bf16 keys and values widen to fp32 exactly (a bf16 is a float's upper 16 bits) and then take
+//   the fp32 arithmetic;
 // - integer dot products (quantized weights) are exact, whatever instruction computes them;
 // - a row's accumulator over k (or over keys) always runs in the same order, in one vector lane of its own;
 // - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count;
@@ -88,8 +89,8 @@ inline void bf16_to_floats(const uint16_t* h, float* out) {
 // - attention's output (scores, softmax and the weighted sum of values in fp32 inside, as a fused attention does);
 // - SiLU: silu(gate) rounded, times up, rounded;
 // - each residual add.
-// The embedding rows, the norms' weights and the cache's keys and values are bf16 values then; the cache stores them
-// widened to fp32.
+// The embedding rows, the norms' weights and the cache's keys and values are bf16 values then (a bf16 cache holds
+// them exactly; an fp32 one widened).
 inline float round_bf16(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
@@ -100,6 +101,41 @@ inline float round_bf16(float x) {
 
 // A value as a stack in bf16 mode stores it (rounded to bf16), or as it is.
 inline float store(float x, bool bf16) { return bf16 ? round_bf16(x) : x; }
+
+// ---------------------------------------------------------------------------------------------------------------
+// KV cache elements: fp32, or bf16 (E = uint16_t, the bits), half the bytes a step reads. A key or value is rounded
+// to bf16 once, where it is written (PyTorch's rounding, round_bf16), and widened exactly where it is read: every
+// score and weighted sum is then the fp32 arithmetic of the fp32 path over those values.
+inline void put(float* p, float x) { *p = x; }
+inline void put(uint16_t* p, float x) {
+  const float r = round_bf16(x);
+  uint32_t bits;
+  std::memcpy(&bits, &r, sizeof(bits));
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+inline float widen(float x) { return x; }
+inline float widen(uint16_t h) { return bf16_to_float(h); }
+
+// n (a multiple of 16) cache elements as floats: the elements themselves for fp32, else widened into `buf`.
+template <typename E>
+inline const float* widened(const E* p, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<E, float>) {
+    return p;
+  } else {
+    for (int64_t i = 0; i < n; i += 16) bf16_to_floats(p + i, buf + i);
+    return buf;
+  }
+}
+
+// The cache's element type as the kernels take it: fp32 or bf16, keys and values alike.
+template <typename F>
+auto with_cache_type(const torch::Tensor& k, const torch::Tensor& v, const char* who, F f) {
+  const auto t = k.scalar_type();
+  TORCH_CHECK(t == v.scalar_type() && (t == at::kFloat || t == at::kBFloat16), who,
+              ": keys and values both float32 or both bfloat16");
+  if (t == at::kFloat) return f(float{});
+  return f(uint16_t{});
+}
 
 // 4 consecutive int8 activations as one int32 (broadcast to every lane of an integer dot product).
 inline int32_t load4(const int8_t* p) {
@@ -521,16 +557,17 @@ constexpr int64_t kTile = 64;  // keys per score tile
 
 // Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order.
 // `next` (or null): keys of the same layout (stride nks) fetched meanwhile, a row of kTile per row multiplied.
-template <int RB, int D>
-inline void score_tile(const float* q, const float* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
-                       const float* next, int64_t nks) {
-  float acc[RB][kTile];
+template <int RB, int D, typename E>
+inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
+                       const E* next, int64_t nks) {
+  constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
+  float acc[RB][kTile], wide[kTile];
   for (int r = 0; r < RB; ++r)
     for (int l = 0; l < kTile; ++l) acc[r][l] = 0.0f;
   for (int j = 0; j < D; ++j) {
-    const float* kj = kt + j * ks;
+    const float* kj = widened(kt + j * ks, kTile, wide);
     if (next != nullptr)
-      for (int64_t l = 0; l < kTile; l += 16) __builtin_prefetch(next + j * nks + l, 0, 3);
+      for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(next + j * nks + l, 0, 3);
     for (int r = 0; r < RB; ++r) {
       const float qj = q[r * D + j];
 #pragma omp simd
@@ -541,25 +578,27 @@ inline void score_tile(const float* q, const float* kt, int64_t ks, int64_t widt
     for (int64_t l = 0; l < width; ++l) p[r * ldp + l] = acc[r][l];
 }
 
+constexpr int64_t kRowBlock = 6;  // the most rows a score or value tile takes at once
+
 template <typename Tile>
 inline void for_row_blocks(int64_t R, Tile tile) {
   int64_t r = 0;
-  for (; r + 6 <= R; r += 6) tile(std::integral_constant<int, 6>{}, r);
+  for (; r + kRowBlock <= R; r += kRowBlock) tile(std::integral_constant<int, kRowBlock>{}, r);
   for (; r + 3 <= R; r += 3) tile(std::integral_constant<int, 3>{}, r);
   if (R - r == 2) tile(std::integral_constant<int, 2>{}, r);
   else if (R - r == 1) tile(std::integral_constant<int, 1>{}, r);
 }
 
 // Scores of R rows for n keys from slot s0 on (p[r * ldp + l]); a last partial tile goes through a zero-padded copy.
-template <int D>
-void scores(const float* q, int64_t R, const float* kt, int64_t ks, int64_t s0, int64_t n, float* p, int64_t ldp) {
-  float pad[D * kTile];
+template <int D, typename E>
+void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p, int64_t ldp) {
+  E pad[D * kTile];
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t width = std::min(kTile, n - t0);
-    const float* src = kt + s0 + t0;
+    const E* src = kt + s0 + t0;
     int64_t stride = ks;
     if (width < kTile) {
-      std::fill(pad, pad + D * kTile, 0.0f);
+      std::fill(pad, pad + D * kTile, E{});  // a zero, as fp32 or as bf16 bits
       for (int j = 0; j < D; ++j) std::copy(src + j * ks, src + j * ks + width, pad + j * kTile);
       src = pad;
       stride = kTile;
@@ -567,10 +606,22 @@ void scores(const float* q, int64_t R, const float* kt, int64_t ks, int64_t s0, 
     // The next tile's keys (D rows of kTile floats, each its own stream; past the last tile, the next chunk's: a
     // thread's next task) are fetched while this one is multiplied, spread over its rows: the hardware prefetcher
     // follows too few streams at once to have them in time, and a burst of them all waits on the misses in flight.
-    const float* next = kt + s0 + t0 + kTile;
+    const E* next = kt + s0 + t0 + kTile;
+    if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 keys widened once for all
+      float wide[D * kTile];
+      for (int j = 0; j < D; ++j) {
+        for (int64_t l = 0; l < kTile; l += 64 / sizeof(E)) __builtin_prefetch(next + j * ks + l, 0, 3);
+        widened(src + j * stride, kTile, wide + j * kTile);
+      }
+      for_row_blocks(R, [&](auto rows, int64_t r) {
+        score_tile<decltype(rows)::value, D, float>(q + r * D, wide, kTile, width, p + r * ldp + t0, ldp, nullptr,
+                                                    0);
+      });
+      continue;
+    }
     for_row_blocks(R, [&](auto rows, int64_t r) {
-      score_tile<decltype(rows)::value, D>(q + r * D, src, stride, width, p + r * ldp + t0, ldp,
-                                           r == 0 ? next : nullptr, ks);
+      score_tile<decltype(rows)::value, D, E>(q + r * D, src, stride, width, p + r * ldp + t0, ldp,
+                                              r == 0 ? next : nullptr, ks);
     });
   }
 }
@@ -578,14 +629,15 @@ void scores(const float* q, int64_t R, const float* kt, int64_t ks, int64_t s0, 
 constexpr int64_t kValuesAhead = 16;  // value rows prefetched ahead (prefetches past the cache's end are harmless)
 
 // acc[r][i] += sum over l < n of w[r][l] * v[l][i], l in order, RB rows sharing every loaded value row.
-template <int RB, int D>
-inline void value_tile(const float* w, int64_t ldw, const float* v, int64_t n, float* acc) {
-  float a[RB][D];
+template <int RB, int D, typename E>
+inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float* acc) {
+  constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
+  float a[RB][D], wide[D];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < D; ++i) a[r][i] = acc[r * D + i];
   for (int64_t l = 0; l < n; ++l) {
-    const float* vl = v + l * D;
-    for (int i = 0; i < D; i += 16) __builtin_prefetch(vl + kValuesAhead * D + i, 0, 3);
+    for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (l + kValuesAhead) * D + i, 0, 3);
+    const float* vl = widened(v + l * D, D, wide);
     for (int r = 0; r < RB; ++r) {
       const float wl = w[r * ldw + l];
 #pragma omp simd
@@ -596,9 +648,9 @@ inline void value_tile(const float* w, int64_t ldw, const float* v, int64_t n, f
     for (int i = 0; i < D; ++i) acc[r * D + i] = a[r][i];
 }
 
-template <int D>
-void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const float* kp, int64_t kh, int64_t ks,
-              const float* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
+template <int D, typename E>
+void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int64_t kh, int64_t ks,
+              const E* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
               float scale, float* out) {
   const int64_t R = G * n;
   std::vector<int64_t> len(n);
@@ -613,15 +665,16 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const float* kp, 
   // every row's scores for every key of the block (slots past .. past + n - 1)
   std::vector<float> block(H * R * n);
   at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) scores<D>(&qs[h * R * D], R, kp + h * kh, ks, past, n, &block[h * R * n], n);
+    for (int64_t h = begin; h < end; ++h)
+      scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, past, n, &block[h * R * n], n);
   });
   std::vector<float> part_max(H * C * R), part_sum(H * C * R), part_acc(H * C * R * D);
   at::parallel_for(0, H * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(R * kChunk);
+    std::vector<float> p(R * kChunk), wide(std::is_same_v<E, float> ? 0 : kChunk * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / C, c0 = (task % C) * kChunk, c1 = c0 + kChunk;
       const int64_t shared = std::max<int64_t>(0, std::min(c1, past) - c0);  // committed keys in this chunk
-      if (shared > 0) scores<D>(&qs[h * R * D], R, kp + h * kh, ks, c0, shared, p.data(), kChunk);
+      if (shared > 0) scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, c0, shared, p.data(), kChunk);
       float* mx = &part_max[task * R];
       float* sum = &part_sum[task * R];
       float* acc = &part_acc[task * R * D];
@@ -652,10 +705,17 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const float* kp, 
       }
       // values: the committed keys for all rows at once, then each row's block keys in its logical order
       if (shared > 0) {
-        const float* vc = vp + h * vh + c0 * D;
-        for_row_blocks(R, [&](auto rows, int64_t r) {
-          value_tile<decltype(rows)::value, D>(&p[r * kChunk], kChunk, vc, shared, acc + r * D);
-        });
+        const E* vc = vp + h * vh + c0 * D;
+        if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 values widened once for all
+          widened(vc, shared * D, wide.data());
+          for_row_blocks(R, [&](auto rows, int64_t r) {
+            value_tile<decltype(rows)::value, D, float>(&p[r * kChunk], kChunk, wide.data(), shared, acc + r * D);
+          });
+        } else {
+          for_row_blocks(R, [&](auto rows, int64_t r) {
+            value_tile<decltype(rows)::value, D, E>(&p[r * kChunk], kChunk, vc, shared, acc + r * D);
+          });
+        }
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r % n;
@@ -663,9 +723,9 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const float* kp, 
         float* ar = acc + r * D;
         for (int64_t l = shared; l < count; ++l) {
           const float wl = p[r * kChunk + l];
-          const float* vl = vp + h * vh + (past + anc[i][c0 + l - past]) * D;
+          const E* vl = vp + h * vh + (past + anc[i][c0 + l - past]) * D;
 #pragma omp simd
-          for (int j = 0; j < D; ++j) ar[j] = fma_(wl, vl[j], ar[j]);
+          for (int j = 0; j < D; ++j) ar[j] = fma_(wl, widen(vl[j]), ar[j]);
         }
       }
     }
@@ -711,16 +771,17 @@ std::vector<std::vector<int64_t>> ancestors(const torch::Tensor& vis, int64_t n)
   return anc;
 }
 
+template <typename E>
 void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, const torch::Tensor& k,
                  const torch::Tensor& v, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
                  float scale, float* out) {
   TORCH_CHECK(k.stride(1) == 1 && v.stride(2) == 1 && v.stride(1) == D, "attend: keys stored transposed, values by row");
   TORCH_CHECK(k.size(1) >= past + n && v.size(1) >= past + n, "attend: the cache holds fewer slots than past + n");
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const E* kp = static_cast<const E*>(k.data_ptr());
+  const E* vp = static_cast<const E*>(v.data_ptr());
 #define TOKENSWIFT_HEAD(size)                                                                                   \
   if (D == size)                                                                                                   \
-    return attend_d<size>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window, scale, out);
+    return attend_d<size, E>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window, scale, out);
   TOKENSWIFT_HEAD(16)
   TOKENSWIFT_HEAD(32)
   TOKENSWIFT_HEAD(64)
@@ -1164,19 +1225,21 @@ torch::Tensor linear(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tenso
   return out;
 }
 
-// Attention of q [H_kv, G * n, D] for n new tokens over k [H_kv, S, D] (stored transposed) and v [H_kv, S, D]
-// (see attend_d).
+// Attention of q [H_kv, G * n, D] for n new tokens over k [H_kv, S, D] (stored transposed) and v [H_kv, S, D], fp32 or
+// bf16 (see attend_d).
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, int64_t past, torch::Tensor vis,
                      int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q, k, v must be 3-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "attend: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: float32 queries");
   q = q.contiguous();
   const int64_t H = q.size(0), D = q.size(2);
   TORCH_CHECK(n > 0 && q.size(1) % n == 0, "attend: rows must be a multiple of the block's tokens");
   auto out = torch::empty_like(q);
-  attend_into(q.data_ptr<float>(), H, q.size(1) / n, n, D, k, v, past, ancestors(vis, n), window,
-              static_cast<float>(scale), out.data_ptr<float>());
+  const auto anc = ancestors(vis, n);
+  with_cache_type(k, v, "attend", [&](auto c) {
+    attend_into<decltype(c)>(q.data_ptr<float>(), H, q.size(1) / n, n, D, k, v, past, anc, window,
+                             static_cast<float>(scale), out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -1200,16 +1263,15 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // A whole decoder stack over n new tokens, in place on x [n, hidden]: per layer RMSNorm, the fused QKV projection,
 // rotary embedding, the new keys and values written into the cache at slots past .. past + n - 1, attention, the
 // output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
-// residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers; `norms` holds two weights
-// per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format, n) per linear
-// layer, four linear layers per layer (qkv, o, gate/up, down). With `bf16` the stack rounds to bf16 where a bf16
-// model does (round_bf16), x, cos and sin holding bf16 values.
-torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
-                      int64_t past, torch::Tensor vis, int64_t window, std::vector<torch::Tensor> norms,
-                      std::vector<torch::Tensor> lin, std::vector<int64_t> meta, int64_t n_heads, int64_t n_kv,
-                      int64_t head_dim, double eps, double scale, bool bf16) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decoder: x float32 [n, hidden]");
-  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat, "decoder: float32 cache");
+// residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers (fp32 or bf16); `norms`
+// holds two weights per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format,
+// n) per linear layer, four linear layers per layer (qkv, o, gate/up, down). With `bf16` the stack rounds to bf16
+// where a bf16 model does (round_bf16), x, cos and sin holding bf16 values.
+template <typename E>
+void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
+                int64_t past, torch::Tensor vis, int64_t window, std::vector<torch::Tensor>& norms,
+                std::vector<torch::Tensor>& lin, std::vector<int64_t>& meta, int64_t n_heads, int64_t n_kv,
+                int64_t head_dim, double eps, double scale, bool bf16) {
   const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
   const int64_t D = head_dim, G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D;
   TORCH_CHECK(static_cast<int64_t>(lin.size()) == layers * 16 && static_cast<int64_t>(meta.size()) == layers * 8,
@@ -1234,14 +1296,14 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
     rope(qkv.data(), n, ld, n_heads, D, cs.data_ptr<float>(), sn.data_ptr<float>(), bf16);
     rope(qkv.data() + q_dim, n, ld, n_kv, D, cs.data_ptr<float>(), sn.data_ptr<float>(), bf16);
     auto kl = kc[l], vl = vc[l];
-    float* kp = kl.data_ptr<float>();
-    float* vp = vl.data_ptr<float>();
+    E* kp = static_cast<E*>(kl.data_ptr());
+    E* vp = static_cast<E*>(vl.data_ptr());
     const int64_t kh = kl.stride(0), ks = kl.stride(1), vh = vl.stride(0);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t hk = 0; hk < n_kv; ++hk)
         for (int64_t j = 0; j < D; ++j) {
-          kp[hk * kh + j * ks + past + i] = qkv[i * ld + q_dim + hk * D + j];
-          vp[hk * vh + (past + i) * D + j] = qkv[i * ld + q_dim + kv_dim + hk * D + j];
+          put(&kp[hk * kh + j * ks + past + i], qkv[i * ld + q_dim + hk * D + j]);
+          put(&vp[hk * vh + (past + i) * D + j], qkv[i * ld + q_dim + kv_dim + hk * D + j]);
         }
     // queries as [H_kv, G * n, D]: row g * n + i of KV head hk is query head hk * G + g of token i
     for (int64_t i = 0; i < n; ++i)
@@ -1250,7 +1312,7 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
         std::copy(&qkv[i * ld + hq * D], &qkv[i * ld + hq * D] + D, &qg[((hk * G + g) * n + i) * D]);
       }
     auto kview = kl.transpose(1, 2);  // [H_kv, S, D] over the transposed storage
-    attend_into(qg.data(), n_kv, G, n, D, kview, vl, past, anc, window, static_cast<float>(scale), og.data());
+    attend_into<E>(qg.data(), n_kv, G, n, D, kview, vl, past, anc, window, static_cast<float>(scale), og.data());
     for (int64_t i = 0; i < n; ++i)
       for (int64_t hq = 0; hq < n_heads; ++hq) {
         const int64_t hk = hq / G, g = hq % G;
@@ -1266,31 +1328,48 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
     linear_into(Ls[3], act.data(), n, y.data(), bf16);
     for (int64_t i = 0; i < n * H; ++i) xp[i] = store(xp[i] + y[i], bf16);
   }
+}
+
+torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
+                      int64_t past, torch::Tensor vis, int64_t window, std::vector<torch::Tensor> norms,
+                      std::vector<torch::Tensor> lin, std::vector<int64_t> meta, int64_t n_heads, int64_t n_kv,
+                      int64_t head_dim, double eps, double scale, bool bf16) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decoder: x float32 [n, hidden]");
+  with_cache_type(kc, vc, "decoder", [&](auto c) {
+    decoder_of<decltype(c)>(x, cos, sin, kc, vc, past, vis, window, norms, lin, meta, n_heads, n_kv, head_dim, eps,
+                            scale, bf16);
+  });
   return x;
 }
 
 // The kept rows of a verified block moved into place in the cache, in every layer and head: row d of the block from
 // slot start + rows[d] to slot start + d, rows increasing (so no source is overwritten before it is read). k and v
 // are [layers, H_kv, S, D] views of any strides (keys stored transposed).
+template <typename E>
+void keep_rows_of(const torch::Tensor& t, int64_t start, const std::vector<int64_t>& rows) {
+  TORCH_CHECK(t.dim() == 4, "keep_rows: [layers, H_kv, S, D]");
+  TORCH_CHECK(rows.empty() || start + rows.back() < t.size(2), "keep_rows: a row past the cache");
+  E* p = static_cast<E*>(t.data_ptr());
+  const int64_t sl = t.stride(0), sh = t.stride(1), ss = t.stride(2), sd = t.stride(3);
+  // the block's slots of one element share a cache line or two where keys are stored transposed: all rows are
+  // moved per element, so each line is fetched once
+  for (int64_t l = 0; l < t.size(0); ++l)
+    for (int64_t h = 0; h < t.size(1); ++h)
+      for (int64_t j = 0; j < t.size(3); ++j) {
+        E* base = p + l * sl + h * sh + j * sd + start * ss;
+        for (size_t d = 0; d < rows.size(); ++d)
+          if (rows[d] != static_cast<int64_t>(d)) base[static_cast<int64_t>(d) * ss] = base[rows[d] * ss];
+      }
+}
+
 void keep_rows(torch::Tensor k, torch::Tensor v, int64_t start, std::vector<int64_t> rows) {
   TORCH_CHECK(rows.empty() || rows[0] >= 0, "keep_rows: a row before the block");
   for (size_t d = 1; d < rows.size(); ++d)
     TORCH_CHECK(rows[d] > rows[d - 1], "keep_rows: rows must increase");
-  for (const torch::Tensor& t : {k, v}) {
-    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat, "keep_rows: float32 [layers, H_kv, S, D]");
-    TORCH_CHECK(rows.empty() || start + rows.back() < t.size(2), "keep_rows: a row past the cache");
-    float* p = t.data_ptr<float>();
-    const int64_t sl = t.stride(0), sh = t.stride(1), ss = t.stride(2), sd = t.stride(3);
-    // the block's slots of one element share a cache line or two where keys are stored transposed: all rows are
-    // moved per element, so each line is fetched once
-    for (int64_t l = 0; l < t.size(0); ++l)
-      for (int64_t h = 0; h < t.size(1); ++h)
-        for (int64_t j = 0; j < t.size(3); ++j) {
-          float* base = p + l * sl + h * sh + j * sd + start * ss;
-          for (size_t d = 0; d < rows.size(); ++d)
-            if (rows[d] != static_cast<int64_t>(d)) base[static_cast<int64_t>(d) * ss] = base[rows[d] * ss];
-        }
-  }
+  with_cache_type(k, v, "keep_rows", [&](auto c) {
+    keep_rows_of<decltype(c)>(k, start, rows);
+    keep_rows_of<decltype(c)>(v, start, rows);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
