@@ -606,7 +606,8 @@ void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int6
     // The next tile's keys (D rows of kTile floats, each its own stream; past the last tile, the next chunk's: a
     // thread's next task) are fetched while this one is multiplied, spread over its rows: the hardware prefetcher
     // follows too few streams at once to have them in time, and a burst of them all waits on the misses in flight.
-    const E* next = kt + s0 + t0 + kTile;
+    // bf16 keys look as many bytes ahead: two tiles.
+    const E* next = kt + s0 + t0 + kTile * (4 / sizeof(E));
     if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 keys widened once for all
       float wide[D * kTile];
       for (int j = 0; j < D; ++j) {
@@ -626,7 +627,9 @@ void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int6
   }
 }
 
-constexpr int64_t kValuesAhead = 16;  // value rows prefetched ahead (prefetches past the cache's end are harmless)
+// Value rows prefetched ahead: 16 rows' bytes of fp32 (prefetches past the cache's end are harmless).
+template <typename E>
+constexpr int64_t kValuesAhead = 16 * 4 / sizeof(E);
 
 // acc[r][i] += sum over l < n of w[r][l] * v[l][i], l in order, RB rows sharing every loaded value row.
 template <int RB, int D, typename E>
@@ -636,7 +639,7 @@ inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < D; ++i) a[r][i] = acc[r * D + i];
   for (int64_t l = 0; l < n; ++l) {
-    for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (l + kValuesAhead) * D + i, 0, 3);
+    for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (l + kValuesAhead<E>) * D + i, 0, 3);
     const float* vl = widened(v + l * D, D, wide);
     for (int r = 0; r < RB; ++r) {
       const float wl = w[r * ldw + l];
@@ -674,6 +677,9 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / C, c0 = (task % C) * kChunk, c1 = c0 + kChunk;
       const int64_t shared = std::max<int64_t>(0, std::min(c1, past) - c0);  // committed keys in this chunk
+      // the chunk's first values are on their way while its scores are computed (value_tile fetches the rest ahead)
+      for (int64_t i = 0; i < std::min(shared, kValuesAhead<E>) * D; i += 64 / sizeof(E))
+        __builtin_prefetch(vp + h * vh + c0 * D + i, 0, 3);
       if (shared > 0) scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, c0, shared, p.data(), kChunk);
       float* mx = &part_max[task * R];
       float* sum = &part_sum[task * R];
