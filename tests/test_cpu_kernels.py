@@ -189,35 +189,70 @@ def test_gguf_blocks_are_read_byte_for_byte() -> None:
 
 # -- attention -------------------------------------------------------------------------------------------------------
 
-def cache(kv: int, slots: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cache(kv: int, slots: int, d: int, seed: int,
+          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys stored as the CPU cache stores them ([kv, d, slots] under a [kv, slots, d] view) and values."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(kv, d, slots, generator=g).transpose(1, 2), torch.randn(kv, slots, d, generator=g)
+    return (torch.randn(kv, d, slots, generator=g).to(dtype).transpose(1, 2),
+            torch.randn(kv, slots, d, generator=g).to(dtype))
 
 
-def reference_attention(q, keys, values, past: int, visible: torch.Tensor, n: int) -> torch.Tensor:
-    """float64 softmax attention of each row over its past keys and the block keys it sees."""
+CHUNK = 256  # cpu.cpp's kChunk: a row's keys in chunks of 256 logical positions, each with its own maximum
+
+
+def reference_attention(q, keys, values, past: int, visible: torch.Tensor, n: int, bf16: bool | None = None
+                        ) -> torch.Tensor:
+    """float64 softmax attention of each row over its past keys and the block keys it sees. Over a bf16 cache
+    (`bf16`, by default the keys' dtype) the scaled query is in bf16 too, and so are the values' weights: exp(s - m)
+    with m the maximum of its chunk, rounded, the chunks' sums (of the weights before rounding) merged."""
     kv, rows, d = q.shape
+    bf16 = keys.dtype == torch.bfloat16 if bf16 is None else bf16
+    q = q * d**-0.5
+    if bf16:
+        q = q.to(torch.bfloat16)
     out = torch.empty(kv, rows, d, dtype=torch.float64)
     for r in range(rows):
         i = r % n
         slots = list(range(past)) + [past + j for j in range(n) if visible[i, j]]
-        s = (q[:, r].double()[:, None, :] * keys[:, slots].double()).sum(-1) * d**-0.5
-        out[:, r] = (s.softmax(-1)[:, :, None] * values[:, slots].double()).sum(1)
+        s = (q[:, r].double()[:, None, :] * keys[:, slots].double()).sum(-1)
+        v = values[:, slots].double()
+        if not bf16:
+            out[:, r] = (s.softmax(-1)[:, :, None] * v).sum(1)
+            continue
+        top = s.max(-1).values
+        num, den = torch.zeros(kv, d, dtype=torch.float64), torch.zeros(kv, dtype=torch.float64)
+        for c0 in range(0, len(slots), CHUNK):
+            m = s[:, c0:c0 + CHUNK].max(-1, keepdim=True).values
+            e = (s[:, c0:c0 + CHUNK] - m).exp()
+            w = e.float().to(torch.bfloat16).double()
+            num += (m - top[:, None]).exp() * (w[:, :, None] * v[:, c0:c0 + CHUNK]).sum(1)
+            den += (m[:, 0] - top).exp() * e.sum(-1)
+        out[:, r] = num / den[:, None]
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("past", [0, 1, 255, 300, 1000])
-def test_attention_matches_softmax_attention(d: int, past: int) -> None:
+def test_attention_matches_softmax_attention(d: int, past: int, dtype: torch.dtype) -> None:
+    """Over an fp32 cache: float64's softmax attention to float rounding. Over a bf16 cache: float64's with the
+    query and the values' weights in bf16 (reference_attention), where a weight whose fp32 exp and float64's round
+    to neighbouring bf16 values moves an output by up to ~1e-4 and the rest agrees to float rounding; without the
+    roundings the outputs are off by far more on average."""
     n, kv, group = 5, 3, 3
-    keys, values = cache(kv, past + n + 7, d, seed=past + d)
+    keys, values = cache(kv, past + n + 7, d, seed=past + d, dtype=dtype)
     q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(1))
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
     for visible in (tree, torch.ones(n, n).tril().bool()):
-        out = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5)
-        torch.testing.assert_close(out.double(), reference_attention(q, keys, values, past, visible, n),
-                                   rtol=2e-5, atol=2e-5)
+        out = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5).double()
+        reference = reference_attention(q, keys, values, past, visible, n)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, reference, rtol=2e-5, atol=2e-5)
+            continue
+        torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+        assert (out - reference).abs().mean() < 1e-6
+        unrounded = reference_attention(q, keys, values, past, visible, n, bf16=False)
+        assert (out - unrounded).abs().mean() > 2e-5
     causal = cpu.attend(q, keys, values, n, past, None, None, d**-0.5)
     assert torch.equal(causal, cpu.attend(q, keys, values, n, past, torch.ones(n, n).tril().bool(), None, d**-0.5))
 
@@ -241,12 +276,13 @@ def branching_trees() -> list:
     return [product.build(16), chain.build(16), product.build(4)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past", [3, 250, 254, 700])  # blocks that start in a chunk, straddle one, end one
-def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past: int) -> None:
+def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past: int, dtype: torch.dtype) -> None:
     kv, group, d = 3, 3, 64
     for tree in branching_trees():
         n = len(tree)
-        keys, values = cache(kv, past + n + 1, d, seed=past + n)
+        keys, values = cache(kv, past + n + 1, d, seed=past + n, dtype=dtype)
         q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(n))
         together = cpu.attend(q, keys, values, n, past, tree.mask(), None, d**-0.5)
         for i in range(n):
@@ -254,7 +290,7 @@ def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past:
             while tree.parents[path[-1]] >= 0:
                 path.append(tree.parents[path[-1]])
             path.reverse()  # root .. node, as vanilla decoding committed them
-            k2, v2 = cache(kv, past + len(path), d, seed=0)
+            k2, v2 = cache(kv, past + len(path), d, seed=0, dtype=dtype)
             k2[:, :past], v2[:, :past] = keys[:, :past], values[:, :past]
             k2[:, past:past + len(path)], v2[:, past:past + len(path)] = keys[:, [past + j for j in path]], \
                 values[:, [past + j for j in path]]
@@ -264,19 +300,17 @@ def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past:
 
 
 @pytest.mark.parametrize("past", [0, 300])
-def test_a_bf16_cache_is_attended_as_its_values_widened_to_fp32(past: int) -> None:
-    """Keys and values in bf16 (half the bytes read) give exactly the floats of an fp32 cache holding the same
-    values: widening is exact and the arithmetic is the fp32 path's, tree blocks included."""
+def test_a_bf16_cache_without_bf16_products_is_attended_as_its_values_widened(past: int) -> None:
+    """A bf16 model's stack reads its bf16 cache with fp32 products: exactly the floats of an fp32 cache holding the
+    same values, tree blocks included (widening is exact and the arithmetic is the fp32 path's)."""
     kv, group, d, n = 3, 3, 64, 5
-    keys, values = cache(kv, past + n + 9, d, seed=past)
+    keys, values = cache(kv, past + n + 9, d, seed=past, dtype=torch.bfloat16)
     q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(4))
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
-    k16 = keys.transpose(1, 2).to(torch.bfloat16).transpose(1, 2)  # still stored transposed
-    v16 = values.to(torch.bfloat16)
-    assert k16.stride(1) == 1
+    wide_keys = keys.transpose(1, 2).float().transpose(1, 2)  # stored transposed, as the cache stores them
     for visible in (tree, None):
-        wide = cpu.attend(q, k16.float(), v16.float(), n, past, visible, None, d**-0.5)
-        assert torch.equal(cpu.attend(q, k16, v16, n, past, visible, None, d**-0.5), wide)
+        wide = cpu.attend(q, wide_keys, values.float(), n, past, visible, None, d**-0.5)
+        assert torch.equal(cpu.attend(q, keys, values, n, past, visible, None, d**-0.5, bf16_products=False), wide)
         assert not torch.equal(cpu.attend(q, keys, values, n, past, visible, None, d**-0.5), wide)
 
 

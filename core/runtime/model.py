@@ -191,12 +191,15 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, seen: Visibility) -> Tens
     qg = q.reshape(kv, (h // kv) * n, d)
     if native_attention(q, keys):
         return cpu.attend(qg, keys, values, n, seen.past, seen.block_mask, seen.window, d**-0.5).view(h, n, d)
-    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache read by fp32 queries: widened, exact
+    scale = d**-0.5
+    if keys.dtype == torch.bfloat16 and q.dtype == torch.float32:  # a bf16 cache: bf16 queries, as the kernel takes
+        qg, scale = (qg * scale).to(torch.bfloat16).float(), 1.0
+        keys, values = keys.float(), values.float()
     if q.device.type == "cpu":
         if seen.bias is None:
-            scores = torch.matmul(qg, keys.transpose(1, 2)).mul_(d**-0.5)
+            scores = torch.matmul(qg, keys.transpose(1, 2)).mul_(scale)
         else:
-            scores = torch.baddbmm(seen.bias, qg, keys.transpose(1, 2), alpha=d**-0.5)
+            scores = torch.baddbmm(seen.bias, qg, keys.transpose(1, 2), alpha=scale)
         out = torch.matmul(scores.softmax(-1), values)
     else:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=seen.bias)

@@ -2,10 +2,11 @@
 the cache afterwards.
 
 The source is compiled for an explicit instruction-set level, the best this CPU's flags allow (`isa_level`):
-AVX-512 with VNNI, AVX2 with FMA and F16C, or plain C++ (any CPU). Never `-march=native`: on some virtual machines
-it enables instructions the CPU then refuses. `TOKENSWIFT_ISA` picks a lower level by hand. The extension goes into
-TOKENSWIFT_CACHE/kernels/<hash>, the hash covering the source, the level's flags and torch's version. A kernel that
-cannot be built (no compiler, a read-only cache) is reported once, and the model runs PyTorch's operators instead.
+AVX-512 with VNNI and BF16, AVX-512 with VNNI, AVX2 with FMA and F16C, or plain C++ (any CPU). Never
+`-march=native`: on some virtual machines it enables instructions the CPU then refuses. `TOKENSWIFT_ISA` picks a
+lower level by hand. The extension goes into TOKENSWIFT_CACHE/kernels/<hash>, the hash covering the source, the
+level's flags and torch's version. A kernel that cannot be built (no compiler, a read-only cache) is reported once,
+and the model runs PyTorch's operators instead.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ _MODULES: dict[str, Any] = {}  # name -> loaded extension, or None once a build 
 
 # Instruction-set levels, best first: the CPU flags each needs (/proc/cpuinfo) and the compiler flags it builds with.
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512bf16": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c"),
+                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mavx2",
+                    "-mfma", "-mf16c")),
     "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"),
                ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),

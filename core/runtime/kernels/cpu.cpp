@@ -104,8 +104,8 @@ inline float store(float x, bool bf16) { return bf16 ? round_bf16(x) : x; }
 
 // ---------------------------------------------------------------------------------------------------------------
 // KV cache elements: fp32, or bf16 (E = uint16_t, the bits), half the bytes a step reads. A key or value is rounded
-// to bf16 once, where it is written (PyTorch's rounding, round_bf16), and widened exactly where it is read: every
-// score and weighted sum is then the fp32 arithmetic of the fp32 path over those values.
+// to bf16 once, where it is written (PyTorch's rounding, round_bf16), and widened exactly where it is read: the
+// weighted sums of values are the fp32 path's arithmetic over those values; the scores take bf16 queries (kPairs).
 inline void put(float* p, float x) { *p = x; }
 inline void put(uint16_t* p, float x) {
   const float r = round_bf16(x);
@@ -555,16 +555,36 @@ inline float max_of(const float* v, int64_t n) {
 constexpr int64_t kChunk = 256;
 constexpr int64_t kTile = 64;  // keys per score tile
 
-// Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order.
-// `next` (or null): keys of the same layout (stride nks) fetched meanwhile, a row of kTile per row multiplied.
-template <int RB, int D, typename E>
+// Attention over a bf16 cache multiplies bf16 by bf16, in pairs: the scores take the query in bf16 too (rounded
+// once, scale included) and the weighted sum of values takes the weights (exp(s - m), before the chunk's sum) in
+// bf16 (`bf16_products`; a bf16 model's stack computes in fp32 over the widened keys and values instead, as a
+// fused attention on CUDA does inside). A sum over pairs (i = 0, 2, 4, .. along j, or along the chunk's logical
+// keys) takes, per pair, acc + x[i+1] y[i+1], rounded, + x[i] y[i], rounded (both products exact), pairs in order:
+// what AVX-512 BF16's dot product (vdpbf16ps) computes; a CPU without it takes the two fmas. Over an fp32 cache
+// everything is fp32 and runs in order.
+template <typename E>
+constexpr bool kPairs = !std::is_same_v<E, float>;  // whether a cache of E can be multiplied in pairs
+
+// Whether the values' pairs run on vdpbf16ps (in slices of 64 elements), or widened through fmas.
+template <int D>
+#if defined(__AVX512BF16__)
+constexpr bool kValuePairs = D % 64 == 0;
+#else
+constexpr bool kValuePairs = false;
+#endif
+
+// Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order (in
+// pairs, odd first, with Pairs). `next` (or null): keys of the same layout (stride nks) fetched meanwhile, a row of
+// kTile per row multiplied.
+template <int RB, int D, typename E, bool Pairs>
 inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
                        const E* next, int64_t nks) {
   constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
   float acc[RB][kTile], wide[kTile];
   for (int r = 0; r < RB; ++r)
     for (int l = 0; l < kTile; ++l) acc[r][l] = 0.0f;
-  for (int j = 0; j < D; ++j) {
+  for (int jj = 0; jj < D; ++jj) {
+    const int j = Pairs ? jj ^ 1 : jj;
     const float* kj = widened(kt + j * ks, kTile, wide);
     if (next != nullptr)
       for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(next + j * nks + l, 0, 3);
@@ -577,6 +597,78 @@ inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, f
   for (int r = 0; r < RB; ++r)
     for (int64_t l = 0; l < width; ++l) p[r * ldp + l] = acc[r][l];
 }
+
+#if defined(__AVX512BF16__)
+// Two rows' 32 bf16 values interleaved into pairs (unpacklo, unpackhi) hold, lane by lane, the elements
+// 0-3, 8-11, 16-19, 24-27 and 4-7, 12-15, 20-23, 28-31: 32 floats between that order and their own.
+inline void to_pair_lanes(const float* x, __m512& lo, __m512& hi) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  lo = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27), b);
+  hi = _mm512_permutex2var_ps(a, _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31), b);
+}
+
+inline void from_pair_lanes(__m512 lo, __m512 hi, float* x) {
+  _mm512_storeu_ps(x, _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                                                    22, 23), hi));
+  _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14,
+                                                                        15, 28, 29, 30, 31), hi));
+}
+
+// 64 elements of two bf16 rows as pairs (a[i], b[i]), in the order of to_pair_lanes for each half.
+inline void pairs_of(const uint16_t* a, const uint16_t* b, __m512bh (&k)[4]) {
+  const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 32);
+  const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 32);
+  k[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
+  k[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
+  k[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
+  k[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
+}
+
+// Two floats holding bf16 values as a bf16 pair (x[0] low, x[1] high): their upper halves, exactly.
+inline int32_t bf16_pair(const float* x) {
+  uint32_t lo, hi;
+  std::memcpy(&lo, x, sizeof(lo));
+  std::memcpy(&hi, x + 1, sizeof(hi));
+  return static_cast<int32_t>((lo >> 16) | (hi & 0xFFFF0000u));
+}
+
+// score_tile over bf16 keys on vdpbf16ps: qp[r * D / 2 + i] holds row r's bf16 pair (q[2i], q[2i+1]). Rows 2i and
+// 2i + 1 of the tile are interleaved into (k[2i], k[2i+1]) pairs per key, the keys then in the lanes' order
+// 0-3, 8-11, .. (unpacklo) and 4-7, 12-15, .. (unpackhi), put back in order when stored.
+template <int RB, int D>
+inline void score_tile_bf16(const int32_t* qp, const uint16_t* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
+                            const uint16_t* next, int64_t nks) {
+  __m512 acc[RB][4];  // (every index below a constant once unrolled: the accumulators stay in registers)
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int i = 0; i < D / 2; ++i) {
+    const uint16_t* even = kt + 2 * i * ks;
+    const uint16_t* odd = even + ks;
+    if (next != nullptr)
+      for (int j = 0; j < 2; ++j) {
+        __builtin_prefetch(next + (2 * i + j) * nks, 0, 3);
+        __builtin_prefetch(next + (2 * i + j) * nks + 32, 0, 3);
+      }
+    __m512bh k[4];
+    pairs_of(even, odd, k);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(qp[r * (D / 2) + i]);
+#pragma GCC unroll 4
+      for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], k[m], qb);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    float row[kTile];
+    from_pair_lanes(acc[r][0], acc[r][1], row);
+    from_pair_lanes(acc[r][2], acc[r][3], row + 32);
+    for (int64_t l = 0; l < width; ++l) p[r * ldp + l] = row[l];
+  }
+}
+#endif
 
 constexpr int64_t kRowBlock = 6;  // the most rows a score or value tile takes at once
 
@@ -591,8 +683,16 @@ inline void for_row_blocks(int64_t R, Tile tile) {
 
 // Scores of R rows for n keys from slot s0 on (p[r * ldp + l]); a last partial tile goes through a zero-padded copy.
 template <int D, typename E>
-void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p, int64_t ldp) {
+void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p, int64_t ldp,
+            bool pairs) {
   E pad[D * kTile];
+#if defined(__AVX512BF16__)
+  std::vector<int32_t> qp;  // the rows' bf16 query pairs (q holds bf16 values: their upper halves, exactly)
+  if (pairs) {
+    qp.resize(R * D / 2);
+    for (int64_t i = 0; i < R * D / 2; ++i) qp[i] = bf16_pair(&q[2 * i]);
+  }
+#endif
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t width = std::min(kTile, n - t0);
     const E* src = kt + s0 + t0;
@@ -608,6 +708,17 @@ void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int6
     // follows too few streams at once to have them in time, and a burst of them all waits on the misses in flight.
     // bf16 keys look as many bytes ahead: two tiles.
     const E* next = kt + s0 + t0 + kTile * (4 / sizeof(E));
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs<E>) {
+      if (pairs) {
+        for_row_blocks(R, [&](auto rows, int64_t r) {
+          score_tile_bf16<decltype(rows)::value, D>(&qp[r * (D / 2)], src, stride, width, p + r * ldp + t0, ldp,
+                                                    r == 0 ? next : nullptr, ks);
+        });
+        continue;
+      }
+    }
+#endif
     if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 keys widened once for all
       float wide[D * kTile];
       for (int j = 0; j < D; ++j) {
@@ -615,14 +726,18 @@ void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int6
         widened(src + j * stride, kTile, wide + j * kTile);
       }
       for_row_blocks(R, [&](auto rows, int64_t r) {
-        score_tile<decltype(rows)::value, D, float>(q + r * D, wide, kTile, width, p + r * ldp + t0, ldp, nullptr,
-                                                    0);
+        constexpr int RB = decltype(rows)::value;
+        float* out = p + r * ldp + t0;
+        pairs ? score_tile<RB, D, float, true>(q + r * D, wide, kTile, width, out, ldp, nullptr, 0)
+              : score_tile<RB, D, float, false>(q + r * D, wide, kTile, width, out, ldp, nullptr, 0);
       });
       continue;
     }
     for_row_blocks(R, [&](auto rows, int64_t r) {
-      score_tile<decltype(rows)::value, D, E>(q + r * D, src, stride, width, p + r * ldp + t0, ldp,
-                                              r == 0 ? next : nullptr, ks);
+      constexpr int RB = decltype(rows)::value;
+      const E* ahead = r == 0 ? next : nullptr;
+      pairs ? score_tile<RB, D, E, true>(q + r * D, src, stride, width, p + r * ldp + t0, ldp, ahead, ks)
+            : score_tile<RB, D, E, false>(q + r * D, src, stride, width, p + r * ldp + t0, ldp, ahead, ks);
     });
   }
 }
@@ -631,15 +746,17 @@ void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int6
 template <typename E>
 constexpr int64_t kValuesAhead = 16 * 4 / sizeof(E);
 
-// acc[r][i] += sum over l < n of w[r][l] * v[l][i], l in order, RB rows sharing every loaded value row.
-template <int RB, int D, typename E>
+// acc[r][i] += sum over l < n of w[r][l] * v[l][i], l in order (in pairs, odd first, with Pairs: n even), RB rows
+// sharing every loaded value row. Over a bf16 cache the weights w hold bf16 values.
+template <int RB, int D, typename E, bool Pairs>
 inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float* acc) {
   constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
   float a[RB][D], wide[D];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < D; ++i) a[r][i] = acc[r * D + i];
-  for (int64_t l = 0; l < n; ++l) {
-    for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (l + kValuesAhead<E>) * D + i, 0, 3);
+  for (int64_t lj = 0; lj < n; ++lj) {
+    const int64_t l = Pairs ? lj ^ 1 : lj;
+    for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (lj + kValuesAhead<E>) * D + i, 0, 3);
     const float* vl = widened(v + l * D, D, wide);
     for (int r = 0; r < RB; ++r) {
       const float wl = w[r * ldw + l];
@@ -651,10 +768,75 @@ inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float
     for (int i = 0; i < D; ++i) acc[r * D + i] = a[r][i];
 }
 
+#if defined(__AVX512BF16__)
+// value_tile over a bf16 cache on vdpbf16ps (D a multiple of 64): per 64 elements of the rows, pairs of value rows
+// interleaved, each row's weights as bf16 pairs.
+template <int RB, int D>
+inline void value_tile_bf16(const float* w, int64_t ldw, const uint16_t* v, int64_t n, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[RB][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      to_pair_lanes(acc + r * D + d0, a[r][0], a[r][1]);
+      to_pair_lanes(acc + r * D + d0 + 32, a[r][2], a[r][3]);
+    }
+    for (int64_t l = 0; l < n; l += 2) {
+      for (int64_t ahead = l + kValuesAhead<uint16_t>; ahead < l + kValuesAhead<uint16_t> + 2; ++ahead) {
+        __builtin_prefetch(v + ahead * D + d0, 0, 3);
+        __builtin_prefetch(v + ahead * D + d0 + 32, 0, 3);
+      }
+      __m512bh k[4];
+      pairs_of(v + l * D + d0, v + (l + 1) * D + d0, k);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh wb = (__m512bh)_mm512_set1_epi32(bf16_pair(w + r * ldw + l));
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; ++m) a[r][m] = _mm512_dpbf16_ps(a[r][m], k[m], wb);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      from_pair_lanes(a[r][0], a[r][1], acc + r * D + d0);
+      from_pair_lanes(a[r][2], a[r][3], acc + r * D + d0 + 32);
+    }
+  }
+}
+#endif
+
+// One row's weighted values over a bf16 cache from key `from` (even) to `count`, in pairs as value_tile takes them,
+// wherever each key sits (value(l)); a pair's missing second key weighs 0 (w is 0 past count) on zeros.
+template <int D, typename Value>
+void values_in_pairs(const float* w, int64_t from, int64_t count, Value value, float* acc) {
+  static const uint16_t zeros[D] = {};
+  for (int64_t l = from; l < count; l += 2) {
+    const uint16_t* va = value(l);
+    const uint16_t* vb = l + 1 < count ? value(l + 1) : zeros;
+#if defined(__AVX512BF16__)
+    if constexpr (D % 64 == 0) {
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(bf16_pair(w + l));
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        __m512 a[4];
+        to_pair_lanes(acc + d0, a[0], a[1]);
+        to_pair_lanes(acc + d0 + 32, a[2], a[3]);
+        __m512bh k[4];
+        pairs_of(va + d0, vb + d0, k);
+        for (int m = 0; m < 4; ++m) a[m] = _mm512_dpbf16_ps(a[m], k[m], wb);
+        from_pair_lanes(a[0], a[1], acc + d0);
+        from_pair_lanes(a[2], a[3], acc + d0 + 32);
+      }
+      continue;
+    }
+#endif
+#pragma omp simd
+    for (int j = 0; j < D; ++j) acc[j] = fma_(w[l], widen(va[j]), fma_(w[l + 1], widen(vb[j]), acc[j]));
+  }
+}
+
 template <int D, typename E>
 void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int64_t kh, int64_t ks,
               const E* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
-              float scale, float* out) {
+              float scale, bool bf16_products, float* out) {
+  const bool pairs = kPairs<E> && bf16_products;
   const int64_t R = G * n;
   std::vector<int64_t> len(n);
   int64_t longest = 0;
@@ -664,12 +846,15 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
   }
   const int64_t C = (longest + kChunk - 1) / kChunk;
   std::vector<float> qs(H * R * D);
-  for (int64_t i = 0; i < H * R * D; ++i) qs[i] = q[i] * scale;  // softmax(scale * q.k) = softmax((scale * q).k)
+  for (int64_t i = 0; i < H * R * D; ++i) {  // softmax(scale * q.k) = softmax((scale * q).k)
+    qs[i] = q[i] * scale;
+    if (pairs) qs[i] = round_bf16(qs[i]);  // bf16 products take bf16 queries
+  }
   // every row's scores for every key of the block (slots past .. past + n - 1)
   std::vector<float> block(H * R * n);
   at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, past, n, &block[h * R * n], n);
+      scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, past, n, &block[h * R * n], n, pairs);
   });
   std::vector<float> part_max(H * C * R), part_sum(H * C * R), part_acc(H * C * R * D);
   at::parallel_for(0, H * C, 1, [&](int64_t begin, int64_t end) {
@@ -680,7 +865,7 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
       // the chunk's first values are on their way while its scores are computed (value_tile fetches the rest ahead)
       for (int64_t i = 0; i < std::min(shared, kValuesAhead<E>) * D; i += 64 / sizeof(E))
         __builtin_prefetch(vp + h * vh + c0 * D + i, 0, 3);
-      if (shared > 0) scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, c0, shared, p.data(), kChunk);
+      if (shared > 0) scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, c0, shared, p.data(), kChunk, pairs);
       float* mx = &part_max[task * R];
       float* sum = &part_sum[task * R];
       float* acc = &part_acc[task * R * D];
@@ -708,28 +893,51 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
           for (int64_t l = 0; l < kChunk; ++l) s += pr[l];
         }
         sum[r] = s;
+        if (pairs)  // the values' weights in bf16 (their sum above stays fp32's)
+          for (int64_t l = 0; l < kChunk; ++l) pr[l] = round_bf16(pr[l]);
       }
-      // values: the committed keys for all rows at once, then each row's block keys in its logical order
-      if (shared > 0) {
-        const E* vc = vp + h * vh + c0 * D;
-        if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 values widened once for all
-          widened(vc, shared * D, wide.data());
-          for_row_blocks(R, [&](auto rows, int64_t r) {
-            value_tile<decltype(rows)::value, D, float>(&p[r * kChunk], kChunk, wide.data(), shared, acc + r * D);
-          });
-        } else {
-          for_row_blocks(R, [&](auto rows, int64_t r) {
-            value_tile<decltype(rows)::value, D, E>(&p[r * kChunk], kChunk, vc, shared, acc + r * D);
-          });
-        }
+      // values: the committed keys for all rows at once (an even number of them in pairs), then each row's other
+      // keys in its logical order
+      const int64_t common = pairs ? shared & ~int64_t{1} : shared;
+      const E* vc = vp + h * vh + c0 * D;
+      if (common > 0 && pairs && kValuePairs<D>) {
+#if defined(__AVX512BF16__)
+        for_row_blocks(R, [&](auto rows, int64_t r) {
+          value_tile_bf16<decltype(rows)::value, D>(&p[r * kChunk], kChunk, reinterpret_cast<const uint16_t*>(vc),
+                                                    common, acc + r * D);
+        });
+#endif
+      } else if (common > 0 && kPairs<E> && R > kRowBlock) {  // several row blocks: values widened once for all
+        widened(vc, common * D, wide.data());
+        for_row_blocks(R, [&](auto rows, int64_t r) {
+          constexpr int RB = decltype(rows)::value;
+          pairs ? value_tile<RB, D, float, true>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D)
+                : value_tile<RB, D, float, false>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D);
+        });
+      } else if (common > 0) {
+        for_row_blocks(R, [&](auto rows, int64_t r) {
+          constexpr int RB = decltype(rows)::value;
+          pairs ? value_tile<RB, D, E, true>(&p[r * kChunk], kChunk, vc, common, acc + r * D)
+                : value_tile<RB, D, E, false>(&p[r * kChunk], kChunk, vc, common, acc + r * D);
+        });
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r % n;
         const int64_t count = std::max<int64_t>(0, std::min(c1, len[i]) - c0);
+        // the chunk's key l: a committed slot, or the row's ancestor (or itself) wherever it sits in the block
+        auto value = [&](int64_t l) {
+          return vp + h * vh + (c0 + l < past ? c0 + l : past + anc[i][c0 + l - past]) * D;
+        };
         float* ar = acc + r * D;
-        for (int64_t l = shared; l < count; ++l) {
+        if constexpr (kPairs<E>) {
+          if (pairs) {
+            values_in_pairs<D>(&p[r * kChunk], common, count, value, ar);
+            continue;
+          }
+        }
+        for (int64_t l = common; l < count; ++l) {
           const float wl = p[r * kChunk + l];
-          const E* vl = vp + h * vh + (past + anc[i][c0 + l - past]) * D;
+          const E* vl = value(l);
 #pragma omp simd
           for (int j = 0; j < D; ++j) ar[j] = fma_(wl, widen(vl[j]), ar[j]);
         }
@@ -780,14 +988,15 @@ std::vector<std::vector<int64_t>> ancestors(const torch::Tensor& vis, int64_t n)
 template <typename E>
 void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, const torch::Tensor& k,
                  const torch::Tensor& v, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
-                 float scale, float* out) {
+                 float scale, bool bf16_products, float* out) {
   TORCH_CHECK(k.stride(1) == 1 && v.stride(2) == 1 && v.stride(1) == D, "attend: keys stored transposed, values by row");
   TORCH_CHECK(k.size(1) >= past + n && v.size(1) >= past + n, "attend: the cache holds fewer slots than past + n");
   const E* kp = static_cast<const E*>(k.data_ptr());
   const E* vp = static_cast<const E*>(v.data_ptr());
 #define TOKENSWIFT_HEAD(size)                                                                                   \
   if (D == size)                                                                                                   \
-    return attend_d<size, E>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window, scale, out);
+    return attend_d<size, E>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window, scale,  \
+                             bf16_products, out);
   TOKENSWIFT_HEAD(16)
   TOKENSWIFT_HEAD(32)
   TOKENSWIFT_HEAD(64)
@@ -1234,7 +1443,7 @@ torch::Tensor linear(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tenso
 // Attention of q [H_kv, G * n, D] for n new tokens over k [H_kv, S, D] (stored transposed) and v [H_kv, S, D], fp32 or
 // bf16 (see attend_d).
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, int64_t past, torch::Tensor vis,
-                     int64_t window, double scale) {
+                     int64_t window, double scale, bool bf16_products) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q, k, v must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: float32 queries");
   q = q.contiguous();
@@ -1244,7 +1453,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t 
   const auto anc = ancestors(vis, n);
   with_cache_type(k, v, "attend", [&](auto c) {
     attend_into<decltype(c)>(q.data_ptr<float>(), H, q.size(1) / n, n, D, k, v, past, anc, window,
-                             static_cast<float>(scale), out.data_ptr<float>());
+                             static_cast<float>(scale), bf16_products, out.data_ptr<float>());
   });
   return out;
 }
@@ -1318,7 +1527,8 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
         std::copy(&qkv[i * ld + hq * D], &qkv[i * ld + hq * D] + D, &qg[((hk * G + g) * n + i) * D]);
       }
     auto kview = kl.transpose(1, 2);  // [H_kv, S, D] over the transposed storage
-    attend_into<E>(qg.data(), n_kv, G, n, D, kview, vl, past, anc, window, static_cast<float>(scale), og.data());
+    attend_into<E>(qg.data(), n_kv, G, n, D, kview, vl, past, anc, window, static_cast<float>(scale), !bf16,
+                   og.data());
     for (int64_t i = 0; i < n; ++i)
       for (int64_t hq = 0; hq < n_heads; ++hq) {
         const int64_t hk = hq / G, g = hq % G;
@@ -1382,7 +1592,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // `bf16`: round to bf16 where a bf16 model does (round_bf16); fp32 activations without it
   m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight", py::arg("x"), py::arg("fmt"), py::arg("a"),
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("n"), py::arg("bf16") = false);
-  m.def("attend", &attend, "attention in each row's logical key order");
+  m.def("attend", &attend, "attention in each row's logical key order", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("n"), py::arg("past"), py::arg("vis"), py::arg("window"), py::arg("scale"),
+        py::arg("bf16_products") = true);
   m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("bf16") = false);
   m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row", py::arg("gu"), py::arg("bf16") = false);
