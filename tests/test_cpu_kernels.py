@@ -474,11 +474,12 @@ def test_native_bf16_computes_the_numerics_of_pytorchs_bf16_model(tmp_path: Path
 
 @pytest.mark.slow
 def test_real_model_logits_in_a_branching_tree_equal_decoding_alone(smol_engine) -> None:
-    """On the default model as shipped (its GGUF's q4_1 and q8_0 blocks), every node of a tree — the chain and the
-    side branch, whose keys sit at other cache slots than they would in vanilla decoding — gets the logits its token
-    gets as a one-token step, bit for bit."""
+    """On the default model as shipped (its GGUF's q4_1 and q8_0 blocks, a bf16 cache), every node of a tree — the
+    chain and the side branch, whose keys sit at other cache slots than they would in vanilla decoding — gets the
+    logits its token gets as a one-token step, bit for bit."""
     model, tok = smol_engine.model, smol_engine.tokenizer
     assert model.native and model.layers[0].wqkv.packed.fmt == "q4_1" and model.lm_head.packed.fmt == "q8_0"
+    assert model.new_cache(4).k.dtype == torch.bfloat16
     prompt = torch.tensor(tok.encode("The lighthouse keeper wrote in his log that night"))
     tree = torch.cat([prompt[-1:], torch.tensor(tok.encode(" the storm had")[:3] + tok.encode(" a ship")[:2])])
     parents = [-1, 0, 1, 2, 0, 4]

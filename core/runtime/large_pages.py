@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +57,10 @@ def reserve(nbytes: int) -> Tensor | None:
     None where this system has no such advice."""
     if _MADVISE is None or huge_pages_mode() not in ("madvise", "always"):
         return None
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # large: fresh pages from the system, none touched yet
+    # A mapping of its own: fresh pages, none touched yet. (torch.empty's may come from malloc's heap once large
+    # blocks have been freed, glibc then raising its threshold for mapping them, and be small pages already.)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
     buf = raw[start:start + nbytes]
     _MADVISE(buf.data_ptr(), nbytes, MADV_HUGEPAGE)  # advice: on failure the pages are simply small ones

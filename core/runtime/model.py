@@ -269,7 +269,7 @@ class Transformer(nn.Module):
         self._rope_table: tuple[Tensor, Tensor] | None = None
         self.native = False  # set by to_native
         self.bf16_activations = False  # a native model rounding its activations to bf16 (to_native)
-        self.kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: the weights' (to_native sets bf16)
+        self.kv_dtype: torch.dtype | None = None  # the KV cache's dtype if set (else cache_dtype's default)
         self._native_args: tuple[list[Tensor], list[Tensor], list[int]] | None = None  # the stack's weights, listed
 
     @property
@@ -317,12 +317,13 @@ class Transformer(nn.Module):
         self.float()  # what is left (the norms) computes in fp32
         self._rope_table = None  # rebuilt in fp32 (of bf16 values in bf16 mode) on the next forward
         self.native, self.bf16_activations, self._native_args = True, bf16, None
-        self.kv_dtype = torch.bfloat16
         return True
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        return self.kv_dtype or self.dtype
+        """kv_dtype where set; else bf16 for a model on our kernels (the native GGUF build included), else the
+        weights' dtype."""
+        return self.kv_dtype or (torch.bfloat16 if self.native else self.dtype)
 
     def new_cache(self, max_len: int) -> KVCache:
         cfg = self.cfg
