@@ -10,8 +10,8 @@ overwrite the lowest-scored slots as they arrive. Once they would reach the sink
 
 On a CPU in float32 or bfloat16 both caches store keys transposed ([layers, kv_heads, d, slots] underneath a
 [.., slots, d] view), the layout the attention kernel (kernels/cpu.cpp) reads: its scores then vectorise along the
-keys. A native model's cache is bfloat16 (Transformer.kv_dtype): keys and values rounded once where they are written,
-half the bytes every step reads.
+keys. A native model's cache is bfloat16 (Transformer.cache_dtype): keys and values rounded once as they are
+written, half the bytes every step reads.
 """
 from __future__ import annotations
 
