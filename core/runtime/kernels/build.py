@@ -29,12 +29,11 @@ log = logging.getLogger(__name__)
 _MODULES: dict[str, Any] = {}  # name -> loaded extension, or None once a build failed
 
 # Instruction-set levels, best first: the CPU flags each needs (/proc/cpuinfo) and the compiler flags it builds with.
+AVX512 = (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"),
+          ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"))
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512bf16": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c"),
-                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mavx2",
-                    "-mfma", "-mf16c")),
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"),
-               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")),
+    "avx512bf16": (AVX512[0] + ("avx512_bf16",), AVX512[1] + ("-mavx512bf16",)),
+    "avx512": AVX512,
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     "generic": ((), ()),
 }

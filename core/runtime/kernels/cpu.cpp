@@ -10,9 +10,10 @@
 // one-token step, a verified token tree and a prefill chunk give a position the same floats, and TokenSwift's
 // tokens equal vanilla decoding's. How:
 // - work is split over output columns (linear) or (head, key chunk) tasks (attention), never inside a row's sum;
-// - every multiply-add is an explicit fma (the file is built with -ffp-contract=off, so nothing else is fused);
+// - every multiply-add is an explicit fma, or a bf16 pair's dot product in a fixed order (kPairs) (the file is built
+//   with -ffp-contract=off, so nothing else is fused);
 // - bf16 weights and bf16 keys and values widen to fp32 exactly (a bf16 is a float's upper 16 bits) and then take
-//   the fp32 arithmetic;
+//   the fp32 arithmetic, or the pairs' products;
 // - integer dot products (quantized weights) are exact, whatever instruction computes them;
 // - a row's accumulator over k (or over keys) always runs in the same order, in one vector lane of its own;
 // - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count;
@@ -104,15 +105,16 @@ inline float store(float x, bool bf16) { return bf16 ? round_bf16(x) : x; }
 
 // ---------------------------------------------------------------------------------------------------------------
 // KV cache elements: fp32, or bf16 (E = uint16_t, the bits), half the bytes a step reads. A key or value is rounded
-// to bf16 once, where it is written (PyTorch's rounding, round_bf16), and widened exactly where it is read: the
-// weighted sums of values are the fp32 path's arithmetic over those values; the scores take bf16 queries (kPairs).
-inline void put(float* p, float x) { *p = x; }
-inline void put(uint16_t* p, float x) {
-  const float r = round_bf16(x);
+// to bf16 once, where it is written (PyTorch's rounding, round_bf16), and widened exactly where it is read, or
+// multiplied in bf16 pairs (kPairs).
+// The bf16 bits of a float holding a bf16 value: its upper half, exactly.
+inline uint16_t bf16_bits(float x) {
   uint32_t bits;
-  std::memcpy(&bits, &r, sizeof(bits));
-  *p = static_cast<uint16_t>(bits >> 16);
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
 }
+inline void put(float* p, float x) { *p = x; }
+inline void put(uint16_t* p, float x) { *p = bf16_bits(round_bf16(x)); }
 inline float widen(float x) { return x; }
 inline float widen(uint16_t h) { return bf16_to_float(h); }
 
@@ -624,12 +626,9 @@ inline void pairs_of(const uint16_t* a, const uint16_t* b, __m512bh (&k)[4]) {
   k[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
 }
 
-// Two floats holding bf16 values as a bf16 pair (x[0] low, x[1] high): their upper halves, exactly.
+// Two floats holding bf16 values as a bf16 pair (x[0] low, x[1] high).
 inline int32_t bf16_pair(const float* x) {
-  uint32_t lo, hi;
-  std::memcpy(&lo, x, sizeof(lo));
-  std::memcpy(&hi, x + 1, sizeof(hi));
-  return static_cast<int32_t>((lo >> 16) | (hi & 0xFFFF0000u));
+  return static_cast<int32_t>(bf16_bits(x[0]) | static_cast<uint32_t>(bf16_bits(x[1])) << 16);
 }
 
 // score_tile over bf16 keys on vdpbf16ps: qp[r * D / 2 + i] holds row r's bf16 pair (q[2i], q[2i+1]). Rows 2i and
@@ -682,17 +681,11 @@ inline void for_row_blocks(int64_t R, Tile tile) {
 }
 
 // Scores of R rows for n keys from slot s0 on (p[r * ldp + l]); a last partial tile goes through a zero-padded copy.
+// With `pairs`, q holds bf16 values and qp (on vdpbf16ps) the same rows as bf16 pairs.
 template <int D, typename E>
-void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p, int64_t ldp,
-            bool pairs) {
+void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p,
+            int64_t ldp, bool pairs) {
   E pad[D * kTile];
-#if defined(__AVX512BF16__)
-  std::vector<int32_t> qp;  // the rows' bf16 query pairs (q holds bf16 values: their upper halves, exactly)
-  if (pairs) {
-    qp.resize(R * D / 2);
-    for (int64_t i = 0; i < R * D / 2; ++i) qp[i] = bf16_pair(&q[2 * i]);
-  }
-#endif
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t width = std::min(kTile, n - t0);
     const E* src = kt + s0 + t0;
@@ -712,7 +705,7 @@ void scores(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int6
     if constexpr (kPairs<E>) {
       if (pairs) {
         for_row_blocks(R, [&](auto rows, int64_t r) {
-          score_tile_bf16<decltype(rows)::value, D>(&qp[r * (D / 2)], src, stride, width, p + r * ldp + t0, ldp,
+          score_tile_bf16<decltype(rows)::value, D>(qp + r * (D / 2), src, stride, width, p + r * ldp + t0, ldp,
                                                     r == 0 ? next : nullptr, ks);
         });
         continue;
@@ -850,11 +843,19 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
     qs[i] = q[i] * scale;
     if (pairs) qs[i] = round_bf16(qs[i]);  // bf16 products take bf16 queries
   }
+  std::vector<int32_t> qp;  // the queries as bf16 pairs, for vdpbf16ps
+#if defined(__AVX512BF16__)
+  if (pairs) {
+    qp.resize(H * R * D / 2);
+    for (int64_t i = 0; i < H * R * D / 2; ++i) qp[i] = bf16_pair(&qs[2 * i]);
+  }
+#endif
+  auto query_pairs = [&](int64_t h) { return qp.empty() ? nullptr : &qp[h * R * D / 2]; };
   // every row's scores for every key of the block (slots past .. past + n - 1)
   std::vector<float> block(H * R * n);
   at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, past, n, &block[h * R * n], n, pairs);
+      scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, ks, past, n, &block[h * R * n], n, pairs);
   });
   std::vector<float> part_max(H * C * R), part_sum(H * C * R), part_acc(H * C * R * D);
   at::parallel_for(0, H * C, 1, [&](int64_t begin, int64_t end) {
@@ -865,7 +866,8 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
       // the chunk's first values are on their way while its scores are computed (value_tile fetches the rest ahead)
       for (int64_t i = 0; i < std::min(shared, kValuesAhead<E>) * D; i += 64 / sizeof(E))
         __builtin_prefetch(vp + h * vh + c0 * D + i, 0, 3);
-      if (shared > 0) scores<D, E>(&qs[h * R * D], R, kp + h * kh, ks, c0, shared, p.data(), kChunk, pairs);
+      if (shared > 0)
+        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, ks, c0, shared, p.data(), kChunk, pairs);
       float* mx = &part_max[task * R];
       float* sum = &part_sum[task * R];
       float* acc = &part_acc[task * R * D];
@@ -1484,8 +1486,8 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // where a bf16 model does (round_bf16), x, cos and sin holding bf16 values.
 template <typename E>
 void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
-                int64_t past, torch::Tensor vis, int64_t window, std::vector<torch::Tensor>& norms,
-                std::vector<torch::Tensor>& lin, std::vector<int64_t>& meta, int64_t n_heads, int64_t n_kv,
+                int64_t past, torch::Tensor vis, int64_t window, const std::vector<torch::Tensor>& norms,
+                const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta, int64_t n_heads, int64_t n_kv,
                 int64_t head_dim, double eps, double scale, bool bf16) {
   const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
   const int64_t D = head_dim, G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D;
