@@ -382,6 +382,32 @@ def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weig
     assert torch.equal(c1.k[:, :, :300], c2.k[:, :, :300]) and torch.equal(c1.v[:, :, :300], c2.v[:, :, :300])
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
+def test_the_native_stack_computes_the_same_floats_on_any_number_of_threads(tiny_dir: Path, weights: str) -> None:
+    """The stack's threads share every phase (tokens, tiles, attention's chunks by cost, rows to merge) and meet at
+    barriers; how many there are, and so which thread takes what, changes no float: a prefill and a tree block on
+    one, two or three threads give the same logits and the same cache."""
+    model = load_model(str(tiny_dir), device="cpu", weights=weights).model
+    ids = torch.randint(512, (300,), generator=torch.Generator().manual_seed(2))
+    tree = branching_trees()[0]
+    tokens = torch.tensor(tree.tokens) % 512
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                c = model.new_cache(300 + len(tree))
+                prefill, _ = model(ids, torch.arange(300), c)
+                c.commit()
+                block, _ = model(tokens, tree.positions(300), c, tree.mask())
+            runs.append((prefill, block, c.k.clone(), c.v.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), weights
+
+
 def test_native_fp32_matches_pytorchs_operators(tiny_dir: Path) -> None:
     """The kernels compute PyTorch's model with its KV cache in either format. In bf16 both paths round each key and
     value as it is written; a key whose fp32 sums (taken in another order) fall on either side of a rounding

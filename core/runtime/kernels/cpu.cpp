@@ -29,10 +29,14 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
 namespace {
@@ -154,6 +158,56 @@ constexpr int kFmtF32 = 0, kFmtQ8_0 = 1, kFmtQ4_1 = 2, kFmtBF16 = 3;
 inline bool quantized(int fmt) { return fmt == kFmtQ8_0 || fmt == kFmtQ4_1; }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Threads. A kernel's work is a range of tasks (a linear layer's tiles, attention's (head, chunk) pairs, rows), cut
+// into one contiguous part per thread. A single kernel call runs its parts through at::parallel_for; the decoder
+// stack runs all its layers in one OpenMP region whose threads (a Team) take their parts of each phase and meet at a
+// barrier, since starting a parallel region for every phase cost more than the phase's own work on short steps.
+// Which thread computes a task never changes a float.
+
+struct Team {
+  int id = 0, size = 1;
+  bool lead() const { return id == 0; }
+  void sync() const {
+#ifdef _OPENMP
+    if (size > 1) {
+#pragma omp barrier
+    }
+#endif
+  }
+  static Team current() {
+#ifdef _OPENMP
+    return {omp_get_thread_num(), omp_get_num_threads()};
+#else
+    return {};
+#endif
+  }
+};
+
+// Part `part` of `parts` of n equal-cost tasks.
+inline std::pair<int64_t, int64_t> equal_part(int64_t n, int64_t part, int64_t parts) {
+  return {n * part / parts, n * (part + 1) / parts};
+}
+
+// f(begin, end) over each thread's part (share(part, parts) -> [begin, end)): the team's, then a barrier, or, with no
+// team, at::parallel_for's threads.
+template <typename Share, typename F>
+void run_parts(const Team* team, const Share& share, const F& f) {
+  if (team != nullptr) {
+    const auto [begin, end] = share(team->id, team->size);
+    if (begin < end) f(begin, end);
+    team->sync();
+    return;
+  }
+  const int64_t parts = at::get_num_threads();
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t part = p0; part < p1; ++part) {
+      const auto [begin, end] = share(part, parts);
+      if (begin < end) f(begin, end);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // exp(x) for x <= 0, written so the compiler vectorises it: e^x = 2^i * e^f with i = round(x log2 e), |f| <= ln(2)/2,
 // e^f from its Taylor series to degree 8 (relative error < 1e-8, under float rounding).
 constexpr float kMinExp = -87.0f;  // exp below this is under float's normal range: counted as 0
@@ -185,39 +239,61 @@ struct QuantRows {
   std::vector<int8_t> q;
   std::vector<float> d, ds;
   std::vector<int32_t> sum;
+
+  void size_for(int64_t rows_, int64_t k_) {
+    rows = rows_;
+    k = k_;
+    blocks = k / kBlock;
+    q.resize(rows * k);
+    d.resize(rows * blocks);
+    ds.resize(rows * blocks);
+    sum.resize(rows * blocks);
+  }
 };
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
-  out.rows = rows;
-  out.k = k;
-  out.blocks = k / kBlock;
-  out.q.resize(rows * k);
-  out.d.resize(rows * out.blocks);
-  out.ds.resize(rows * out.blocks);
-  out.sum.resize(rows * out.blocks);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < out.blocks; ++b) {
-      const float* xb = x + r * k + b * kBlock;
-      float lane[16] = {};  // |x| maxima in 16 lanes, so the loop vectorises (a maximum is the same in any order)
-      for (int i = 0; i < kBlock; i += 16)
-        for (int l = 0; l < 16; ++l) lane[l] = std::fabs(xb[i + l]) > lane[l] ? std::fabs(xb[i + l]) : lane[l];
-      float amax = 0.0f;
-      for (int l = 0; l < 16; ++l) amax = lane[l] > amax ? lane[l] : amax;
-      const float d = amax / 127.0f;
-      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t sum = 0;
-      int8_t* qb = &out.q[r * k + b * kBlock];
-      for (int i = 0; i < kBlock; ++i) {
-        float v = std::nearbyint(xb[i] * id);
-        v = std::min(127.0f, std::max(-127.0f, v));
-        qb[i] = static_cast<int8_t>(v);
-        sum += qb[i];
-      }
-      out.d[r * out.blocks + b] = d;
-      out.sum[r * out.blocks + b] = sum;
-      out.ds[r * out.blocks + b] = d * static_cast<float>(sum);
-    }
+// One block of 32: q = round(x / d) (ties to even) with d = max|x| / 127, the sum of q.
+inline void quantize_block(const float* xb, int8_t* qb, float& d, int32_t& sum) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f), vid = _mm512_set1_ps(id);
+  auto round_clamped = [&](__m512 v) {
+    v = _mm512_roundscale_ps(_mm512_mul_ps(v, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+  };
+  const __m512i qa = round_clamped(a), qb_ = round_clamped(b);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qb_));
+  d = amax / 127.0f;
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb_));
+#else
+  float lane[16] = {};  // |x| maxima in 16 lanes, so the loop vectorises (a maximum is the same in any order)
+  for (int i = 0; i < kBlock; i += 16)
+    for (int l = 0; l < 16; ++l) lane[l] = std::fabs(xb[i + l]) > lane[l] ? std::fabs(xb[i + l]) : lane[l];
+  float amax = 0.0f;
+  for (int l = 0; l < 16; ++l) amax = lane[l] > amax ? lane[l] : amax;
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    float v = std::nearbyint(xb[i] * id);
+    v = std::min(127.0f, std::max(-127.0f, v));
+    qb[i] = static_cast<int8_t>(v);
+    sum += qb[i];
   }
+  d = amax / 127.0f;
+#endif
+}
+
+// Rows [r0, r1) of x [out.rows, out.k] into `out` (sized by size_for): per block d, the sum of q, and d * sum(q)
+// (the min term of 4-bit weights).
+void quantize_rows(const float* x, int64_t r0, int64_t r1, QuantRows& out) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < out.blocks; ++b) {
+      const int64_t at = r * out.blocks + b;
+      quantize_block(x + r * out.k + b * kBlock, &out.q[r * out.k + b * kBlock], out.d[at], out.sum[at]);
+      out.ds[at] = out.d[at] * static_cast<float>(out.sum[at]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -462,33 +538,45 @@ void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq,
       out[(r0 + r) * L.n + c0 + c] = store(L.bias ? acc[r][c] + L.bias[c0 + c] : acc[r][c], bf16);
 }
 
-// y [R, N] = x [R, K] W^T (+ bias), rounded to bf16 once at the end if `bf16`. Tiles are split between threads; each
-// tile's rows in near-equal blocks of at most 6 (fp32, bf16: 6 x 16 accumulators fill AVX2's registers) or 8
-// (quantized) rows sharing every loaded weight.
-void linear_into(const Linear& L, const float* x, int64_t R, float* out, bool bf16) {
-  QuantRows xq;
-  if (quantized(L.fmt)) quantize_rows(x, R, L.k, xq);
-  const int64_t T = (L.n + kCols - 1) / kCols;
+// Tiles [t0, t1) of y [R, N] = x [R, K] W^T (+ bias) (xq: x quantized, for quantized weights), rounded to bf16 once
+// at the end if `bf16`. Each tile's rows in near-equal blocks of at most 6 (fp32, bf16: 6 x 16 accumulators fill
+// AVX2's registers) or 8 (quantized) rows sharing every loaded weight.
+void linear_tiles(const Linear& L, const float* x, const QuantRows& xq, int64_t R, int64_t t0, int64_t t1, float* out,
+                  bool bf16) {
   const int64_t most = quantized(L.fmt) ? 8 : 6;
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t blocks = (R + most - 1) / most;
-      for (int64_t b = 0, r = 0; b < blocks; ++b) {
-        const int64_t rows = (R - r + blocks - b - 1) / (blocks - b);
-        switch (rows) {
-          case 1: tile_store<1>(L, t, x, xq, r, out, bf16); break;
-          case 2: tile_store<2>(L, t, x, xq, r, out, bf16); break;
-          case 3: tile_store<3>(L, t, x, xq, r, out, bf16); break;
-          case 4: tile_store<4>(L, t, x, xq, r, out, bf16); break;
-          case 5: tile_store<5>(L, t, x, xq, r, out, bf16); break;
-          case 6: tile_store<6>(L, t, x, xq, r, out, bf16); break;
-          case 7: tile_store<7>(L, t, x, xq, r, out, bf16); break;
-          default: tile_store<8>(L, t, x, xq, r, out, bf16); break;
-        }
-        r += rows;
+  const int64_t blocks = (R + most - 1) / most;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t b = 0, r = 0; b < blocks; ++b) {
+      const int64_t rows = (R - r + blocks - b - 1) / (blocks - b);
+      switch (rows) {
+        case 1: tile_store<1>(L, t, x, xq, r, out, bf16); break;
+        case 2: tile_store<2>(L, t, x, xq, r, out, bf16); break;
+        case 3: tile_store<3>(L, t, x, xq, r, out, bf16); break;
+        case 4: tile_store<4>(L, t, x, xq, r, out, bf16); break;
+        case 5: tile_store<5>(L, t, x, xq, r, out, bf16); break;
+        case 6: tile_store<6>(L, t, x, xq, r, out, bf16); break;
+        case 7: tile_store<7>(L, t, x, xq, r, out, bf16); break;
+        default: tile_store<8>(L, t, x, xq, r, out, bf16); break;
       }
+      r += rows;
     }
-  });
+  }
+}
+
+// The whole of y = x W^T over the threads: `team`'s (xq already made from x by the caller) or at::parallel_for's.
+void linear_into(const Linear& L, const float* x, int64_t R, float* out, bool bf16, const Team* team = nullptr,
+                 const QuantRows* xq = nullptr) {
+  QuantRows own;
+  if (xq == nullptr) {
+    if (quantized(L.fmt)) {
+      own.size_for(R, L.k);
+      quantize_rows(x, 0, R, own);
+    }
+    xq = &own;
+  }
+  const int64_t T = (L.n + kCols - 1) / kCols;
+  run_parts(team, [&](int64_t part, int64_t parts) { return equal_part(T, part, parts); },
+            [&](int64_t t0, int64_t t1) { linear_tiles(L, x, *xq, R, t0, t1, out, bf16); });
 }
 
 Linear linear_from(int64_t fmt, const torch::Tensor& a, const torch::Tensor& d, const torch::Tensor& m,
@@ -555,6 +643,9 @@ inline float max_of(const float* v, int64_t n) {
 // order. A row's result depends only on its query and its logical key sequence.
 
 constexpr int64_t kChunk = 256;
+// Keys and values are prefetched into L2 (prefetcht1), not L1: a core has few L1 misses in flight, and the many
+// strided streams of transposed keys ran at a fraction of the memory's rate while waiting on them.
+constexpr int kCacheToL2 = 2;
 constexpr int64_t kTile = 64;  // keys per score tile
 
 // Attention over a bf16 cache multiplies bf16 by bf16, in pairs: the scores take the query in bf16 too (rounded
@@ -589,7 +680,7 @@ inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, f
     const int j = Pairs ? jj ^ 1 : jj;
     const float* kj = widened(kt + j * ks, kTile, wide);
     if (next != nullptr)
-      for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(next + j * nks + l, 0, 3);
+      for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(next + j * nks + l, 0, kCacheToL2);
     for (int r = 0; r < RB; ++r) {
       const float qj = q[r * D + j];
 #pragma omp simd
@@ -647,8 +738,8 @@ inline void score_tile_bf16(const int32_t* qp, const uint16_t* kt, int64_t ks, i
     const uint16_t* odd = even + ks;
     if (next != nullptr)
       for (int j = 0; j < 2; ++j) {
-        __builtin_prefetch(next + (2 * i + j) * nks, 0, 3);
-        __builtin_prefetch(next + (2 * i + j) * nks + 32, 0, 3);
+        __builtin_prefetch(next + (2 * i + j) * nks, 0, kCacheToL2);
+        __builtin_prefetch(next + (2 * i + j) * nks + 32, 0, kCacheToL2);
       }
     __m512bh k[4];
     pairs_of(even, odd, k);
@@ -715,7 +806,7 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t k
     if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 keys widened once for all
       float wide[D * kTile];
       for (int j = 0; j < D; ++j) {
-        for (int64_t l = 0; l < kTile; l += 64 / sizeof(E)) __builtin_prefetch(next + j * ks + l, 0, 3);
+        for (int64_t l = 0; l < kTile; l += 64 / sizeof(E)) __builtin_prefetch(next + j * ks + l, 0, kCacheToL2);
         widened(src + j * stride, kTile, wide + j * kTile);
       }
       for_row_blocks(R, [&](auto rows, int64_t r) {
@@ -749,7 +840,7 @@ inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float
     for (int i = 0; i < D; ++i) a[r][i] = acc[r * D + i];
   for (int64_t lj = 0; lj < n; ++lj) {
     const int64_t l = Pairs ? lj ^ 1 : lj;
-    for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (lj + kValuesAhead<E>) * D + i, 0, 3);
+    for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (lj + kValuesAhead<E>) * D + i, 0, kCacheToL2);
     const float* vl = widened(v + l * D, D, wide);
     for (int r = 0; r < RB; ++r) {
       const float wl = w[r * ldw + l];
@@ -775,8 +866,8 @@ inline void value_tile_bf16(const float* w, int64_t ldw, const uint16_t* v, int6
     }
     for (int64_t l = 0; l < n; l += 2) {
       for (int64_t ahead = l + kValuesAhead<uint16_t>; ahead < l + kValuesAhead<uint16_t> + 2; ++ahead) {
-        __builtin_prefetch(v + ahead * D + d0, 0, 3);
-        __builtin_prefetch(v + ahead * D + d0 + 32, 0, 3);
+        __builtin_prefetch(v + ahead * D + d0, 0, kCacheToL2);
+        __builtin_prefetch(v + ahead * D + d0 + 32, 0, kCacheToL2);
       }
       __m512bh k[4];
       pairs_of(v + l * D + d0, v + (l + 1) * D + d0, k);
@@ -825,49 +916,86 @@ void values_in_pairs(const float* w, int64_t from, int64_t count, Value value, f
   }
 }
 
+// Attention of H KV heads' rows over a cache (see above) in steps a team can share: the scaled queries (one thread),
+// the (head, chunk) tasks (each chunk's partial softmax and weighted values; parts of near-equal cost), the merge of
+// each row's chunks in order (parts of rows). Every layer of a stack has the same shape, so one plan serves them all.
 template <int D, typename E>
-void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int64_t kh, int64_t ks,
-              const E* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
-              float scale, bool bf16_products, float* out) {
-  const bool pairs = kPairs<E> && bf16_products;
-  const int64_t R = G * n;
-  std::vector<int64_t> len(n);
-  int64_t longest = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    len[i] = past + static_cast<int64_t>(anc[i].size());
-    longest = std::max(longest, len[i]);
-  }
-  const int64_t C = (longest + kChunk - 1) / kChunk;
-  std::vector<float> qs(H * R * D);
-  for (int64_t i = 0; i < H * R * D; ++i) {  // softmax(scale * q.k) = softmax((scale * q).k)
-    qs[i] = q[i] * scale;
-    if (pairs) qs[i] = round_bf16(qs[i]);  // bf16 products take bf16 queries
-  }
+struct Attention {
+  int64_t H, G, n, R, past, window, C = 0;
+  float scale;
+  bool pairs;
+  const std::vector<std::vector<int64_t>>& anc;
+  std::vector<int64_t> len, cost;  // each row's key count; the tasks' cumulative costs (cost[t]: tasks before t)
+  std::vector<float> qs, part_max, part_sum, part_acc;
   std::vector<int32_t> qp;  // the queries as bf16 pairs, for vdpbf16ps
+
+  Attention(int64_t H_, int64_t G_, int64_t n_, int64_t past_, const std::vector<std::vector<int64_t>>& anc_,
+            int64_t window_, float scale_, bool bf16_products)
+      : H(H_), G(G_), n(n_), R(G_ * n_), past(past_), window(window_), scale(scale_),
+        pairs(kPairs<E> && bf16_products), anc(anc_), len(n_) {
+    int64_t longest = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      len[i] = past + static_cast<int64_t>(anc[i].size());
+      longest = std::max(longest, len[i]);
+    }
+    C = (longest + kChunk - 1) / kChunk;
+    // a task costs its chunk's keys (the longest row's) plus a fixed share for its softmax and setup
+    cost.resize(H * C + 1);
+    for (int64_t task = 0; task < H * C; ++task) {
+      const int64_t c0 = (task % C) * kChunk;
+      cost[task + 1] = cost[task] + std::min(kChunk, longest - c0) + kChunk / 16;
+    }
+    qs.resize(H * R * D);
 #if defined(__AVX512BF16__)
-  if (pairs) {
-    qp.resize(H * R * D / 2);
-    for (int64_t i = 0; i < H * R * D / 2; ++i) qp[i] = bf16_pair(&qs[2 * i]);
-  }
+    if (pairs) qp.resize(H * R * D / 2);
 #endif
-  auto query_pairs = [&](int64_t h) { return qp.empty() ? nullptr : &qp[h * R * D / 2]; };
-  // every row's scores for every key of the block (slots past .. past + n - 1)
-  std::vector<float> block(H * R * n);
-  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, ks, past, n, &block[h * R * n], n, pairs);
-  });
-  std::vector<float> part_max(H * C * R), part_sum(H * C * R), part_acc(H * C * R * D);
-  at::parallel_for(0, H * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(R * kChunk), wide(std::is_same_v<E, float> ? 0 : kChunk * D);
+    part_max.resize(H * C * R);
+    part_sum.resize(H * C * R);
+    part_acc.resize(H * C * R * D);
+  }
+
+  // Tokens [i0, i1) of q [H, R, D] (rows h * R + g * n + i): softmax(scale * q.k) = softmax((scale * q).k); bf16
+  // products take bf16 queries.
+  void queries(const float* q, int64_t i0, int64_t i1) {
+    for (int64_t hg = 0; hg < H * G; ++hg)
+      for (int64_t at = (hg * n + i0) * D; at < (hg * n + i1) * D; ++at) {
+        qs[at] = q[at] * scale;
+        if (pairs) qs[at] = round_bf16(qs[at]);
+#if defined(__AVX512BF16__)
+        if (pairs && at % 2 == 1) qp[at / 2] = bf16_pair(&qs[at - 1]);
+#endif
+      }
+  }
+
+  const int32_t* query_pairs(int64_t h) const { return qp.empty() ? nullptr : &qp[h * R * D / 2]; }
+
+  // The tasks of part `part` of `parts`: split where the cumulative cost comes nearest to an equal share.
+  std::pair<int64_t, int64_t> part(int64_t part, int64_t parts) const {
+    auto cut = [&](int64_t p) {
+      if (p == 0) return int64_t{0};
+      if (p == parts) return H * C;
+      const int64_t total = cost.back();
+      int64_t t = 0;
+      while (cost[t] * parts < total * p) ++t;  // the first task at or past the share
+      return t > 0 && total * p - cost[t - 1] * parts < cost[t] * parts - total * p ? t - 1 : t;
+    };
+    return {cut(part), cut(part + 1)};
+  }
+
+  void tasks(int64_t begin, int64_t end, const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh) {
+    static thread_local std::vector<float> p, block, wide;
+    p.resize(R * kChunk);
+    block.resize(R * n);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / C, c0 = (task % C) * kChunk, c1 = c0 + kChunk;
       const int64_t shared = std::max<int64_t>(0, std::min(c1, past) - c0);  // committed keys in this chunk
       // the chunk's first values are on their way while its scores are computed (value_tile fetches the rest ahead)
       for (int64_t i = 0; i < std::min(shared, kValuesAhead<E>) * D; i += 64 / sizeof(E))
-        __builtin_prefetch(vp + h * vh + c0 * D + i, 0, 3);
+        __builtin_prefetch(vp + h * vh + c0 * D + i, 0, kCacheToL2);
       if (shared > 0)
         scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, ks, c0, shared, p.data(), kChunk, pairs);
+      if (c1 > past)  // every row's scores for every key of the block (slots past .. past + n - 1)
+        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, ks, past, n, block.data(), n, pairs);
       float* mx = &part_max[task * R];
       float* sum = &part_sum[task * R];
       float* acc = &part_acc[task * R * D];
@@ -877,7 +1005,7 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
         const int64_t count = std::max<int64_t>(0, std::min(c1, len[i]) - c0);  // this row's keys in the chunk
         float* pr = &p[r * kChunk];
         for (int64_t l = std::max(shared, int64_t{0}); l < count; ++l)  // its block keys, in logical order
-          pr[l] = block[(h * R + r) * n + anc[i][c0 + l - past]];
+          pr[l] = block[r * n + anc[i][c0 + l - past]];
         if (window > 0)  // keys before the row's window are hidden
           std::fill(pr, pr + std::clamp<int64_t>(len[i] - window - c0, 0, count),
                     -std::numeric_limits<float>::infinity());
@@ -910,6 +1038,7 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
         });
 #endif
       } else if (common > 0 && kPairs<E> && R > kRowBlock) {  // several row blocks: values widened once for all
+        wide.resize(kChunk * D);
         widened(vc, common * D, wide.data());
         for_row_blocks(R, [&](auto rows, int64_t r) {
           constexpr int RB = decltype(rows)::value;
@@ -945,13 +1074,15 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
         }
       }
     }
-  });
-  // merge the chunks' softmaxes in chunk order, whatever thread computed them
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t r = 0; r < R; ++r) {
+  }
+
+  // Rows [begin, end) of out [H, R, D] (row h * R + r): the chunks' softmaxes merged in chunk order.
+  void merge(int64_t begin, int64_t end, float* out) const {
+    for (int64_t hr = begin; hr < end; ++hr) {
+      const int64_t h = hr / R, r = hr % R;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < C; ++c) m = std::max(m, part_max[(h * C + c) * R + r]);
-      float* o = out + (h * R + r) * D;
+      float* o = out + hr * D;
       std::fill(o, o + D, 0.0f);
       float total = 0.0f;
       for (int64_t c = 0; c < C; ++c) {
@@ -965,6 +1096,24 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
       for (int64_t j = 0; j < D; ++j) o[j] /= total;
     }
   }
+
+  // The whole of it for one layer: q [H, R, D] -> out [H, R, D], over `team`'s threads (after one thread has called
+  // queries) or at::parallel_for's.
+  void run(const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh, float* out, const Team* team) {
+    run_parts(team, [&](int64_t i, int64_t parts) { return part(i, parts); },
+              [&](int64_t b, int64_t e) { tasks(b, e, kp, kh, ks, vp, vh); });
+    run_parts(team, [&](int64_t i, int64_t parts) { return equal_part(H * R, i, parts); },
+              [&](int64_t b, int64_t e) { merge(b, e, out); });
+  }
+};
+
+template <int D, typename E>
+void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int64_t kh, int64_t ks,
+              const E* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
+              float scale, bool bf16_products, float* out) {
+  Attention<D, E> a(H, G, n, past, anc, window, scale, bf16_products);
+  a.queries(q, 0, n);
+  a.run(kp, kh, ks, vp, vh, out, nullptr);
 }
 
 // The ancestors (and self) of each block token in block order: from a visibility matrix [n, n], or causal.
@@ -987,6 +1136,21 @@ std::vector<std::vector<int64_t>> ancestors(const torch::Tensor& vis, int64_t n)
   return anc;
 }
 
+// f(std::integral_constant<int, D>) for a head size D the attention kernel is instantiated for.
+template <typename F>
+void with_head_size(int64_t D, const char* who, F f) {
+  switch (D) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 80: return f(std::integral_constant<int, 80>{});
+    case 96: return f(std::integral_constant<int, 96>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
+  }
+  TORCH_CHECK(false, who, ": no kernel for head size ", D);
+}
+
 template <typename E>
 void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, const torch::Tensor& k,
                  const torch::Tensor& v, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
@@ -995,19 +1159,10 @@ void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, con
   TORCH_CHECK(k.size(1) >= past + n && v.size(1) >= past + n, "attend: the cache holds fewer slots than past + n");
   const E* kp = static_cast<const E*>(k.data_ptr());
   const E* vp = static_cast<const E*>(v.data_ptr());
-#define TOKENSWIFT_HEAD(size)                                                                                   \
-  if (D == size)                                                                                                   \
-    return attend_d<size, E>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window, scale,  \
-                             bf16_products, out);
-  TOKENSWIFT_HEAD(16)
-  TOKENSWIFT_HEAD(32)
-  TOKENSWIFT_HEAD(64)
-  TOKENSWIFT_HEAD(80)
-  TOKENSWIFT_HEAD(96)
-  TOKENSWIFT_HEAD(128)
-  TOKENSWIFT_HEAD(256)
-#undef TOKENSWIFT_HEAD
-  TORCH_CHECK(false, "attend: no kernel for head size ", D);
+  with_head_size(D, "attend", [&](auto d) {
+    attend_d<decltype(d)::value, E>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window,
+                                    scale, bf16_products, out);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1054,6 +1209,7 @@ void silu_gate_of(const float* gu, int64_t R, int64_t I, float* out) {
   for (int64_t r = 0; r < R; ++r) {
     const float* g = gu + r * 2 * I;
     const float* u = g + I;
+#pragma omp simd
     for (int64_t i = 0; i < I; ++i) {
       const float e = exp_nonpositive(-std::fabs(g[i]));
       const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
@@ -1477,6 +1633,11 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
   return out;
 }
 
+// Rows [i0, i1) of x [R, H] += y, rounded as the stack stores (store).
+inline void residual(float* x, const float* y, int64_t i0, int64_t i1, int64_t H, bool bf16) {
+  for (int64_t i = i0 * H; i < i1 * H; ++i) x[i] = store(x[i] + y[i], bf16);
+}
+
 // A whole decoder stack over n new tokens, in place on x [n, hidden]: per layer RMSNorm, the fused QKV projection,
 // rotary embedding, the new keys and values written into the cache at slots past .. past + n - 1, attention, the
 // output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
@@ -1484,67 +1645,112 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // holds two weights per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format,
 // n) per linear layer, four linear layers per layer (qkv, o, gate/up, down). With `bf16` the stack rounds to bf16
 // where a bf16 model does (round_bf16), x, cos and sin holding bf16 values.
-template <typename E>
+template <int D, typename E>
 void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
                 int64_t past, torch::Tensor vis, int64_t window, const std::vector<torch::Tensor>& norms,
                 const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta, int64_t n_heads, int64_t n_kv,
-                int64_t head_dim, double eps, double scale, bool bf16) {
+                double eps, double scale, bool bf16) {
   const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
-  const int64_t D = head_dim, G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D;
+  const int64_t G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D, ld = q_dim + 2 * kv_dim;
   TORCH_CHECK(static_cast<int64_t>(lin.size()) == layers * 16 && static_cast<int64_t>(meta.size()) == layers * 8,
               "decoder: 4 linear layers per layer");
-  TORCH_CHECK(kc.size(0) >= layers && kc.size(3) >= past + n, "decoder: cache too small");
-  auto cs = cos.contiguous(), sn = sin.contiguous();
-  const auto anc = ancestors(vis, n);
-  float* xp = x.data_ptr<float>();
-  std::vector<float> h(n * H), qkv, att(n * q_dim), qg(n * q_dim), og(n * q_dim), gu, act, y(n * H);
+  TORCH_CHECK(kc.size(0) >= layers && kc.size(3) >= past + n && vc.size(2) >= past + n, "decoder: cache too small");
+  TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && vc.stride(2) == D,
+              "decoder: keys stored transposed, values by row");
+  // Everything a layer reads is found and checked here: nothing in the parallel region below may throw.
+  std::vector<Linear> Ls(layers * 4);
+  std::vector<const float*> norm_w(layers * 2);
   for (int64_t l = 0; l < layers; ++l) {
-    Linear Ls[4];
     for (int j = 0; j < 4; ++j) {
       const int64_t at_ = (l * 4 + j) * 4;
       const int64_t k_in = j == 0 || j == 2 ? H : (j == 1 ? q_dim : meta[(l * 4 + 2) * 2 + 1] / 2);
-      Ls[j] = linear_from(meta[(l * 4 + j) * 2], lin[at_], lin[at_ + 1], lin[at_ + 2], lin[at_ + 3],
-                          meta[(l * 4 + j) * 2 + 1], k_in);
+      Ls[l * 4 + j] = linear_from(meta[(l * 4 + j) * 2], lin[at_], lin[at_ + 1], lin[at_ + 2], lin[at_ + 3],
+                                  meta[(l * 4 + j) * 2 + 1], k_in);
     }
-    rms_norm(xp, norms[l * 2].data_ptr<float>(), n, H, static_cast<float>(eps), h.data(), bf16);
-    qkv.resize(n * (q_dim + 2 * kv_dim));
-    linear_into(Ls[0], h.data(), n, qkv.data(), bf16);
-    const int64_t ld = q_dim + 2 * kv_dim;
-    rope(qkv.data(), n, ld, n_heads, D, cs.data_ptr<float>(), sn.data_ptr<float>(), bf16);
-    rope(qkv.data() + q_dim, n, ld, n_kv, D, cs.data_ptr<float>(), sn.data_ptr<float>(), bf16);
-    auto kl = kc[l], vl = vc[l];
-    E* kp = static_cast<E*>(kl.data_ptr());
-    E* vp = static_cast<E*>(vl.data_ptr());
-    const int64_t kh = kl.stride(0), ks = kl.stride(1), vh = vl.stride(0);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t hk = 0; hk < n_kv; ++hk)
-        for (int64_t j = 0; j < D; ++j) {
-          put(&kp[hk * kh + j * ks + past + i], qkv[i * ld + q_dim + hk * D + j]);
-          put(&vp[hk * vh + (past + i) * D + j], qkv[i * ld + q_dim + kv_dim + hk * D + j]);
-        }
-    // queries as [H_kv, G * n, D]: row g * n + i of KV head hk is query head hk * G + g of token i
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t hq = 0; hq < n_heads; ++hq) {
-        const int64_t hk = hq / G, g = hq % G;
-        std::copy(&qkv[i * ld + hq * D], &qkv[i * ld + hq * D] + D, &qg[((hk * G + g) * n + i) * D]);
-      }
-    auto kview = kl.transpose(1, 2);  // [H_kv, S, D] over the transposed storage
-    attend_into<E>(qg.data(), n_kv, G, n, D, kview, vl, past, anc, window, static_cast<float>(scale), !bf16,
-                   og.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t hq = 0; hq < n_heads; ++hq) {
-        const int64_t hk = hq / G, g = hq % G;
-        for (int64_t j = 0; j < D; ++j) att[i * q_dim + hq * D + j] = store(og[((hk * G + g) * n + i) * D + j], bf16);
-      }
-    linear_into(Ls[1], att.data(), n, y.data(), bf16);
-    for (int64_t i = 0; i < n * H; ++i) xp[i] = store(xp[i] + y[i], bf16);
-    rms_norm(xp, norms[l * 2 + 1].data_ptr<float>(), n, H, static_cast<float>(eps), h.data(), bf16);
-    gu.resize(n * Ls[2].n);
-    linear_into(Ls[2], h.data(), n, gu.data(), bf16);
-    act.resize(n * Ls[2].n / 2);
-    silu_gate(gu.data(), n, Ls[2].n / 2, act.data(), bf16);
-    linear_into(Ls[3], act.data(), n, y.data(), bf16);
-    for (int64_t i = 0; i < n * H; ++i) xp[i] = store(xp[i] + y[i], bf16);
+    for (int j = 0; j < 2; ++j) {
+      TORCH_CHECK(norms[l * 2 + j].scalar_type() == at::kFloat && norms[l * 2 + j].is_contiguous() &&
+                  norms[l * 2 + j].numel() == H, "decoder: norm weights float32 [hidden]");
+      norm_w[l * 2 + j] = norms[l * 2 + j].data_ptr<float>();
+    }
+  }
+  auto cs = cos.contiguous(), sn = sin.contiguous();
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  const auto anc = ancestors(vis, n);
+  E* kbase = static_cast<E*>(kc.data_ptr());
+  E* vbase = static_cast<E*>(vc.data_ptr());
+  const int64_t kh = kc.stride(1), ks = kc.stride(2), vh = vc.stride(1);
+  const int64_t inter = Ls[2].n / 2;
+  float* xp = x.data_ptr<float>();
+  std::vector<float> h(n * H), qkv(n * ld), att(n * q_dim), qg(n * q_dim), og(n * q_dim), gu(n * 2 * inter),
+      act(n * inter), y(n * H);
+  Attention<D, E> attention(n_kv, G, n, past, anc, window, static_cast<float>(scale), !bf16);
+  QuantRows xq[4];  // each linear layer's input, quantized
+  for (int j = 0; j < 4; ++j) xq[j].size_for(n, Ls[j].k);
+  const float ep = static_cast<float>(eps);
+  auto quantize = [&](const Linear* L, int j, const float* in, int64_t r0, int64_t r1) {
+    if (quantized(L[j].fmt)) quantize_rows(in, r0, r1, xq[j]);
+  };
+  const int threads = at::get_num_threads();
+  // One region for the whole stack: every thread takes its part of each phase (the per-row glue by tokens, the
+  // linear layers by tiles, attention by tasks), a barrier after each.
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const Team team = Team::current();
+    auto tokens = [&](auto f) {
+      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part(n, part, parts); }, f);
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      const Linear* L = &Ls[l * 4];
+      E* kp = kbase + l * kc.stride(0);
+      E* vp = vbase + l * vc.stride(0);
+      tokens([&](int64_t i0, int64_t i1) {
+        if (l > 0) residual(xp, y.data(), i0, i1, H, bf16);  // the previous layer's MLP
+        rms_norm(xp + i0 * H, norm_w[l * 2], i1 - i0, H, ep, h.data() + i0 * H, bf16);
+        quantize(L, 0, h.data(), i0, i1);
+      });
+      linear_into(L[0], h.data(), n, qkv.data(), bf16, &team, &xq[0]);
+      tokens([&](int64_t i0, int64_t i1) {
+        rope(qkv.data() + i0 * ld, i1 - i0, ld, n_heads, D, cp + i0 * D, sp + i0 * D, bf16);
+        rope(qkv.data() + i0 * ld + q_dim, i1 - i0, ld, n_kv, D, cp + i0 * D, sp + i0 * D, bf16);
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t hk = 0; hk < n_kv; ++hk)
+            for (int64_t j = 0; j < D; ++j) {
+              put(&kp[hk * kh + j * ks + past + i], qkv[i * ld + q_dim + hk * D + j]);
+              put(&vp[hk * vh + (past + i) * D + j], qkv[i * ld + q_dim + kv_dim + hk * D + j]);
+            }
+        // queries as [H_kv, G * n, D]: row g * n + i of KV head hk is query head hk * G + g of token i
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t hq = 0; hq < n_heads; ++hq) {
+            const int64_t hk = hq / G, g = hq % G;
+            std::copy(&qkv[i * ld + hq * D], &qkv[i * ld + hq * D] + D, &qg[((hk * G + g) * n + i) * D]);
+          }
+        attention.queries(qg.data(), i0, i1);
+      });
+      attention.run(kp, kh, ks, vp, vh, og.data(), &team);
+      tokens([&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t hq = 0; hq < n_heads; ++hq) {
+            const int64_t hk = hq / G, g = hq % G;
+            for (int64_t j = 0; j < D; ++j)
+              att[i * q_dim + hq * D + j] = store(og[((hk * G + g) * n + i) * D + j], bf16);
+          }
+        quantize(L, 1, att.data(), i0, i1);
+      });
+      linear_into(L[1], att.data(), n, y.data(), bf16, &team, &xq[1]);
+      tokens([&](int64_t i0, int64_t i1) {
+        residual(xp, y.data(), i0, i1, H, bf16);
+        rms_norm(xp + i0 * H, norm_w[l * 2 + 1], i1 - i0, H, ep, h.data() + i0 * H, bf16);
+        quantize(L, 2, h.data(), i0, i1);
+      });
+      linear_into(L[2], h.data(), n, gu.data(), bf16, &team, &xq[2]);
+      tokens([&](int64_t i0, int64_t i1) {
+        silu_gate(gu.data() + i0 * 2 * inter, i1 - i0, inter, act.data() + i0 * inter, bf16);
+        quantize(L, 3, act.data(), i0, i1);
+      });
+      linear_into(L[3], act.data(), n, y.data(), bf16, &team, &xq[3]);
+    }
+    tokens([&](int64_t i0, int64_t i1) { residual(xp, y.data(), i0, i1, H, bf16); });
   }
 }
 
@@ -1554,8 +1760,10 @@ torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, tor
                       int64_t head_dim, double eps, double scale, bool bf16) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decoder: x float32 [n, hidden]");
   with_cache_type(kc, vc, "decoder", [&](auto c) {
-    decoder_of<decltype(c)>(x, cos, sin, kc, vc, past, vis, window, norms, lin, meta, n_heads, n_kv, head_dim, eps,
-                            scale, bf16);
+    with_head_size(head_dim, "decoder", [&](auto d) {
+      decoder_of<decltype(d)::value, decltype(c)>(x, cos, sin, kc, vc, past, vis, window, norms, lin, meta, n_heads,
+                                                  n_kv, eps, scale, bf16);
+    });
   });
   return x;
 }
