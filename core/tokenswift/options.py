@@ -76,10 +76,10 @@ def default_draft_depth(device: torch.device, levels: int = 1) -> int:
 def default_min_draft_score(device: torch.device) -> float:
     """The least calibrated chance of acceptance for which verifying a draft pays.
 
-    A 2-node tree yields 1 + p tokens for a cost c(2) against 1 token for 1, so a draft pays iff p exceeds c(2) - 1
-    (`python -m core cost-curve`) plus what the step spends on the draft outside the forward (drafting it, ranking,
-    the walk). On a CPU that second part dominates: the gate sits where the benchmark's studio runs were fastest,
-    well above c(2) - 1, and with a low acceptance (the paper's sampling) verifying every draft loses. On a GPU,
+    A 2-node tree yields 1 + p tokens for a cost c(2) against 1 token for 1, so a draft pays iff p > c(2) - 1
+    (`python -m core cost-curve`); further nodes must pay for more, since on a CPU c(n) climbs faster past two nodes
+    and the step spends on each outside the forward too. So the CPU gate sits where the benchmark's studio runs were
+    fastest, well above c(2) - 1; with a low acceptance (the paper's sampling) verifying every draft loses. On a GPU,
     where extra tokens are nearly free, every draft the budget allows is verified.
     """
     return 0.25 if device.type == "cpu" else 0.0
