@@ -166,7 +166,6 @@ inline bool quantized(int fmt) { return fmt == kFmtQ8_0 || fmt == kFmtQ4_1; }
 
 struct Team {
   int id = 0, size = 1;
-  bool lead() const { return id == 0; }
   void sync() const {
 #ifdef _OPENMP
     if (size > 1) {
