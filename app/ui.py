@@ -885,6 +885,12 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         assert len(cmp_poll_outs) == COMPARE_POLL_OUTPUTS
         cmp_pick_outs = [cmp_pick, remembered]
         quiet = {"show_progress": "hidden"}
+        # The events that move a session's open project or chapter share one lane of width 1. Two clicks in quick
+        # succession otherwise run on two threads, and the earlier one could finish last: the server would hold
+        # the chapter clicked first while the page shows the one clicked last, and a save would land on the
+        # former. Gradio's queue is first in, first out within a lane; these handlers only read and write rows.
+        # The pickers also send every pick (Gradio's default drops one made while the one before is on its way).
+        navigate = {"concurrency_id": "navigate", "concurrency_limit": 1}
 
         def then_refresh(event: Any) -> Any:
             return event.then(h.refresh, [view, cache, chapter_text], write_poll_outs, api_visibility="private",
@@ -921,24 +927,26 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         then_refresh(claim_btn.click(h.claim, [view, key], project_outs + identity_outs, api_name="claim"))
 
         then_refresh(create_btn.click(h.create_project, [view, new_title, new_kind, new_premise],
-                                      project_outs + [new_title, new_premise, new_acc], api_name="create_project"))
-        then_refresh(project_dd.input(h.open_project, [view, project_dd], project_outs, api_name="open_project"))
+                                      project_outs + [new_title, new_premise, new_acc], api_name="create_project",
+                                      **navigate))
+        then_refresh(project_dd.input(h.open_project, [view, project_dd], project_outs, api_name="open_project",
+                                      trigger_mode="multiple", **navigate))
         then_refresh(save_proj_btn.click(h.save_project, [view, project_owner, proj_title, proj_kind, proj_goal],
                                          project_outs, api_name="save_project"))
         del_proj_btn.click(h.ask_delete_project, [view], [del_proj_confirm, del_proj_msg], api_visibility="private")
         del_proj_no.click(_hide, None, del_proj_confirm, api_visibility="private")
         then_refresh(del_proj_yes.click(h.delete_project, [view], project_outs + [del_proj_confirm],
-                                        api_name="delete_project"))
+                                        api_name="delete_project", **navigate))
 
-        then_refresh(chapters_radio.input(h.open_chapter, [view, chapters_radio], chapter_outs,
-                                          api_name="open_chapter")).then(h.revisions, [view], revision_outs,
-                                                                         api_visibility="private", **quiet)
+        opened = chapters_radio.input(h.open_chapter, [view, chapters_radio], chapter_outs, api_name="open_chapter",
+                                      trigger_mode="multiple", **navigate)
+        then_refresh(opened).then(h.revisions, [view], revision_outs, api_visibility="private", **quiet)
         revisions_acc.expand(h.revisions, [view], revision_outs, api_name="revisions")
         revision_pick.input(h.show_revision, [view, revision_pick], [revision_text, revision_diff],
                             api_name="show_revision")
         then_refresh(restore_btn.click(h.restore_revision, [view, revision_pick], revision_outs,
                                        api_name="restore_revision"))
-        then_refresh(add_ch_btn.click(h.add_chapter, [view], chapter_outs, api_name="add_chapter"))
+        then_refresh(add_ch_btn.click(h.add_chapter, [view], chapter_outs, api_name="add_chapter", **navigate))
         then_refresh(up_btn.click(functools.partial(h.move_chapter, delta=-1), [view], None,
                                   api_name="move_chapter_up"))
         then_refresh(down_btn.click(functools.partial(h.move_chapter, delta=1), [view], None,
@@ -946,7 +954,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         del_ch_btn.click(h.ask_delete_chapter, [view], [del_ch_confirm, del_ch_msg], api_visibility="private")
         del_ch_no.click(_hide, None, del_ch_confirm, api_visibility="private")
         then_refresh(del_ch_yes.click(h.delete_chapter, [view], chapter_outs + [del_ch_confirm],
-                                      api_name="delete_chapter"))
+                                      api_name="delete_chapter", **navigate))
 
         meta_inputs = [view, project_owner, chapter_owner, premise, chapter_title, instructions]
         for box in (premise, chapter_title, instructions):
@@ -983,6 +991,6 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
             h.run_details, [view, run_pick], details_outs, api_visibility="private")
         export_btn.click(h.export, [view, export_fmt], export_file, api_name="export")
         then_refresh(import_btn.click(story.import_project, [view, import_file], project_outs,
-                                      api_name="import_project"))
+                                      api_name="import_project", **navigate))
     demo.queue(default_concurrency_limit=4)
     return demo

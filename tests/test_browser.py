@@ -208,6 +208,30 @@ def test_history_and_export(page, tmp_path):
     shot(page, "07-history")
 
 
+def test_quick_clicks_through_the_chapters_open_the_last_one(page):
+    """A writer clicking one chapter and at once another: every click counts, in order, and the page and the server
+    end on the chapter clicked last (a click while the one before was on its way used to be dropped, leaving the
+    server on the earlier chapter while the list showed the later one)."""
+    new_title = page.locator("#new-title input, #new-title textarea").first
+    if not new_title.is_visible():  # the form closes once a project exists
+        open_accordion(page, "new-project", "New project")
+    new_title.fill("Quick clicks")
+    page.locator("#create-project").click()
+    chapters = page.locator("#chapter-list label")
+    chapters.get_by_text("1. Chapter 1").wait_for()
+    for n in (2, 3):
+        page.locator("#add-chapter").click()
+        expect(chapters).to_have_count(n, timeout=TIMEOUT_MS)
+    title = page.locator("#chapter-title textarea, #chapter-title input").first
+    for clicks in ((2, 3), (1, 2, 3, 1), (3, 2), (2, 1, 3)):
+        for n in clicks:
+            chapters.nth(n - 1).click()
+        expect(title).to_have_value(f"Chapter {clicks[-1]}", timeout=TIMEOUT_MS)
+        time.sleep(2.5)  # two polls: the server's own idea of the open chapter has come back
+        assert title.input_value() == f"Chapter {clicks[-1]}"
+        expect(chapters.nth(clicks[-1] - 1).locator("input")).to_be_checked()
+
+
 def test_server_restart_under_an_open_page(page, server, tiny_model_dir, tmp_path):
     """The server goes away and comes back (same port, same database): the open page shows the same text again
     without a reload. (Stops the module's server: keep this test last.)"""

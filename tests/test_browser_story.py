@@ -126,7 +126,7 @@ def test_a_short_novel_with_summaries_reload_restore_and_export(browser, studio,
         time.sleep(RESEND_S + 1.5)  # several polls, the resend window included
         assert text.input_value() == "The keeper burned the letter."
         page.locator("#save-chapter:not([disabled])").click()
-        page.get_by_text("Saved.").first.wait_for()
+        page.get_by_text("Saved.", exact=True).first.wait_for()
         page.locator("#revisions").get_by_text("Revisions", exact=True).first.click()
         options = open_options(page, "#revision-pick")
         assert "hand edit" in options[0].inner_text()

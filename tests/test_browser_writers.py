@@ -140,10 +140,10 @@ def test_a_hand_edit_is_undone_through_revisions(browser, shared):  # noqa: F811
         # Typed at once, right after the page's text changed: the live poll never replaces the writer's typing.
         text.fill("The storm came.\nThe keeper slept.")
         save.click()
-        page.get_by_text("Saved.").first.wait_for()
+        page.get_by_text("Saved.", exact=True).first.wait_for()
         text.fill("The storm came.\nThe keeper woke early.")
         save.click()
-        expect(page.get_by_text("Saved.")).to_have_count(2, timeout=TIMEOUT_MS)
+        expect(page.get_by_text("Saved.", exact=True)).to_have_count(2, timeout=TIMEOUT_MS)
         expect(text).to_have_value("The storm came.\nThe keeper woke early.", timeout=TIMEOUT_MS)
         page.locator("#revisions").get_by_text("Revisions", exact=True).first.click()
         option = open_options(page, "#revision-pick")[0]
