@@ -34,9 +34,10 @@ METHODS: dict[str, Callable[[Engine, Generation], Iterator[Step]]] = {
     "tokenswift": tokenswift_steps,
 }
 
-# The format of a native model's drafting heads, by its lm_head's: the model's own, but a quantized model's heads are
-# q8_0 (DraftHeads.to_native says why).
-HEADS_FORMAT = {"f32": "f32", "bf16": "bf16"}
+# The formats of a native model's drafting heads and of its root head, by its lm_head's: the model's own, but a
+# quantized model's heads are q8_0 and its root head q4_1 (DraftHeads.to_native says why).
+HEADS_FORMAT = {"f32": ("f32", "f32"), "bf16": ("bf16", "bf16")}
+QUANTIZED_HEADS_FORMAT = ("q8_0", "q4_1")
 
 
 def find_heads(loaded: LoadedModel, heads: str | Path | None) -> DraftHeads | None:
@@ -72,7 +73,7 @@ class Engine:
         self.notices: list[str] = []  # things the user should be told once (e.g. no heads)
         if self.model.native:
             if heads is not None:
-                heads.to_native(HEADS_FORMAT.get(self.model.lm_head.packed.fmt, "q8_0"))
+                heads.to_native(*HEADS_FORMAT.get(self.model.lm_head.packed.fmt, QUANTIZED_HEADS_FORMAT))
             if compile:  # the native decoder is one call of our kernels: no graph would run it faster
                 self.notice("a CPU model runs on its native kernels; compiled graphs are for CUDA")
                 compile = False

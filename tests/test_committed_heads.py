@@ -143,21 +143,27 @@ def test_root_head_gets_more_drafts_accepted(smol_engine, heads) -> None:
 
 def test_calibration_verifies_fewer_drafts_that_fail(smol_engine, heads) -> None:
     """Paper sampling makes the drafters' raw scores run high: calibrated, the gate verifies fewer drafts that are
-    then rejected, keeps most accepted ones, and the text is the same."""
+    then rejected, keeps most accepted ones, and the text is the same. (Counted over three prompts: one prompt's
+    300 tokens see ~150 failed drafts, too few to tell a 20% cut from chance.)"""
     from core.engine import Engine
     from core.generation.decoding import GenerationConfig
     from core.generation.sampling import PRESETS
     from core.generation.text import encode_prompt
     from core.tokenswift.options import TokenSwiftOptions
 
-    ids = encode_prompt(smol_engine.tokenizer, "Write the opening of a novel about a lighthouse keeper.")
     config = GenerationConfig(max_new_tokens=300, method="tokenswift", sampling=PRESETS["paper"], ignore_eos=True)
-    runs = {}
-    for calibrate in (True, False):
-        options = TokenSwiftOptions(tree_budget=2, min_draft_score=0.25, calibrate=calibrate)
-        runs[calibrate] = Engine(smol_engine.loaded, heads, options).generate(ids, config).run()
-    assert runs[True].token_ids == runs[False].token_ids
-    failed = {k: sum(1 for s in r.steps if s.tree_size > 1 and not s.accepted) for k, r in runs.items()}
-    accepted = {k: sum(s.accepted for s in r.steps) for k, r in runs.items()}
+    failed, accepted = {True: 0, False: 0}, {True: 0, False: 0}
+    for prompt in ("Write the opening of a novel about a lighthouse keeper.",
+                   "Write a report on the history of the printing press.",
+                   "Write a short story about two sisters who run a bakery."):
+        ids = encode_prompt(smol_engine.tokenizer, prompt)
+        runs = {}
+        for calibrate in (True, False):
+            options = TokenSwiftOptions(tree_budget=2, min_draft_score=0.25, calibrate=calibrate)
+            runs[calibrate] = Engine(smol_engine.loaded, heads, options).generate(ids, config).run()
+        assert runs[True].token_ids == runs[False].token_ids
+        for k, r in runs.items():
+            failed[k] += sum(1 for s in r.steps if s.tree_size > 1 and not s.accepted)
+            accepted[k] += sum(s.accepted for s in r.steps)
     assert failed[True] <= 0.8 * failed[False], (failed, accepted)
     assert accepted[True] >= 0.6 * accepted[False], (failed, accepted)

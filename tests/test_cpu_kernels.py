@@ -533,8 +533,9 @@ def test_real_model_logits_in_a_branching_tree_equal_decoding_alone(smol_engine)
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
 def test_native_engines_run_the_heads_on_the_kernels(tiny_dir: Path, weights: str) -> None:
     """A native engine runs its heads' matrices on the kernels (in the model's format: fp32 or bf16; q8_0 for a
-    quantized model), and the lm_head rows they score are the model's own rows in its format: a head's logit for a
-    token is the lm_head's for that token, bit for bit."""
+    quantized model, its root head q4_1), and the lm_head rows they score are the model's own rows in its format: a
+    head's logit for a token is the lm_head's for that token, bit for bit. A quantized model's root head scores those
+    rows in its own q4_1."""
     from core.engine import Engine
     from core.runtime.weights import NativeLinear
     from core.tokenswift.heads import DraftHeads
@@ -553,8 +554,15 @@ def test_native_engines_run_the_heads_on_the_kernels(tiny_dir: Path, weights: st
         plain = heads.logits(h, plain_model), heads.root_logits(h, roots, plain_model)
         Engine(loaded, heads)
         assert isinstance(heads.proj[0], NativeLinear) and isinstance(heads.root.up, NativeLinear)
-        fmt = {"fp32": "f32", "bf16": "bf16", "q4": "q8_0"}[weights]
-        assert {layer.packed.fmt for layer in (*heads.proj, heads.root.up, heads.root.down)} == {fmt}
+        fmt, root_fmt = {"fp32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "q4": ("q8_0", "q4_1")}[weights]
+        assert {layer.packed.fmt for layer in heads.proj} == {fmt}
+        root_rows = heads.scorer(model, "root_lm")
+        assert {layer.packed.fmt for layer in (heads.root.up, heads.root.down, root_rows)} == {root_fmt}
+        if root_fmt != model.lm_head.packed.fmt:  # the lm_head's rows, quantized again
+            again = pack(model.lm_head.rows(ids[::2]).packed.dequantize(), root_fmt)
+            assert torch.equal(root_rows.packed.data, again.data) and torch.equal(root_rows.packed.d, again.d)
+        else:
+            assert torch.equal(root_rows(h), model.lm_head(h)[:, ids[::2]])
         logits = heads.logits(h, model)
         states = torch.cat(heads.states(h))
         assert torch.equal(logits.view(-1, len(ids)), model.lm_head(states)[:, ids])

@@ -33,7 +33,7 @@ from core.generation.sampling import rank_drafts
 from core.runtime.kernels import cpu
 from core.runtime.model import ModelConfig, RMSNorm, Transformer
 from core.runtime.skeleton import skeleton
-from core.runtime.weights import NativeLinear
+from core.runtime.weights import NativeLinear, pack
 
 FORMAT = "tokenswift-heads/1"
 
@@ -74,6 +74,8 @@ class DraftHeads(nn.Module):
         self.register_buffer("vocab", vocab if vocab is not None else torch.empty(0, dtype=torch.long))
         # "lm" / "root_lm": the model and the lm_head rows each scores there, a layer (native) or a weight [V', hidden]
         self._scorers: dict[str, tuple[Transformer, NativeLinear | Tensor]] = {}
+        self.root_format: str | None = None  # the root head's own format on the kernels, if not its model's (to_native)
+        self._root_args: tuple[NativeLinear, list[Tensor], list[Tensor], list[int]] | None = None  # (root_step)
 
     @classmethod
     def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None,
@@ -122,13 +124,16 @@ class DraftHeads(nn.Module):
 
     def scorer(self, model: Transformer, which: str = "lm") -> NativeLinear | Tensor:
         """The lm_head rows the heads (`lm`) or the root head (`root_lm`) score, built once: on a native model a
-        layer of those rows in the lm_head's own format (the same numbers), else a weight [V', hidden]."""
+        layer of those rows in the lm_head's own format (the same numbers; the root head's rows in its own format
+        where to_native gave it one), else a weight [V', hidden]."""
         cached = self._scorers.get(which)
         if cached is not None and cached[0] is model:
             return cached[1]
         ids = self.vocab if which == "lm" else self.root_ids
         if isinstance(model.lm_head, NativeLinear):
             found = model.lm_head.rows(ids) if ids.numel() else model.lm_head
+            if which == "root_lm" and self.root_format not in (None, found.packed.fmt):
+                found = NativeLinear(pack(found.packed.dequantize(), self.root_format), found.bf16_out)
         else:
             found = model.lm_head.weight[ids].contiguous() if ids.numel() else model.lm_head.weight
         self._scorers[which] = (model, found)
@@ -153,8 +158,10 @@ class DraftHeads(nn.Module):
         root, rows = self.root, self.scorer(model, "root_lm")
         native = cpu.kernel() if isinstance(root.up, NativeLinear) and isinstance(rows, NativeLinear) else None
         if native is not None and not model.bf16_activations and not rows.bf16_out:  # one call of the kernels
-            lin, meta = NativeLinear.listed((root.up, root.down, rows))
-            norms = [root.norm_h.weight, root.norm_e.weight, root.norm_out.weight]
+            if self._root_args is None or self._root_args[0] is not rows:  # listed once: it runs every level
+                lin, meta = NativeLinear.listed((root.up, root.down, rows))
+                self._root_args = (rows, [root.norm_h.weight, root.norm_e.weight, root.norm_out.weight], lin, meta)
+            _, norms, lin, meta = self._root_args
             state, logits = native.root_step(h0.float(), model.embed(roots).float(), norms, root.norm_h.eps, lin,
                                              meta)
             return state, logits
@@ -166,15 +173,20 @@ class DraftHeads(nn.Module):
         """fp32 logits of post-norm states over lm_head rows."""
         return (rows(states) if isinstance(rows, NativeLinear) else nn.functional.linear(states, rows)).float()
 
-    def to_native(self, fmt: str = "f32") -> None:
+    def to_native(self, fmt: str = "f32", root_fmt: str | None = None) -> None:
         """Run the heads' own matrices on the CPU kernels in `fmt`, as a native model runs its (the lm_head rows they
-        score follow the model: `scorer`). A quantized model's heads are quantized too (q8_0): the root head reads
-        its matrices once per drafted level, and drafts only choose what is verified, never a token."""
+        score follow the model: `scorer`), and the root head's, with the lm_head rows it scores, in `root_fmt` if
+        given. A quantized model's heads are quantized too (the engine: q8_0, the root head q4_1): the root head
+        reads its matrices and rows once per drafted level, from memory, between the forwards, and drafts only
+        choose what is verified, never a token."""
         for k in range(self.n_heads):
             if isinstance(self.proj[k], nn.Linear):
                 self.proj[k] = NativeLinear.of(self.proj[k], fmt)
         if self.root is not None and isinstance(self.root.up, nn.Linear):
-            self.root.up, self.root.down = NativeLinear.of(self.root.up, fmt), NativeLinear.of(self.root.down, fmt)
+            own = root_fmt or fmt
+            self.root.up, self.root.down = NativeLinear.of(self.root.up, own), NativeLinear.of(self.root.down, own)
+            self.root_format = root_fmt
+            self._scorers.pop("root_lm", None)
 
     def candidates(self, scores: Tensor, k: int, noise: Tensor | None = None,
                    ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
