@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -142,10 +143,10 @@ class Generation:
         # place; positions (and so the position-keyed draws) continue where they stopped, so the tokens that follow
         # are the ones an uninterrupted run would have written.
         self.tokens = list(prompt_ids) + list(resume_ids)
-        # the same sequence as a tensor, for penalty windows without a list-to-tensor copy per draw
-        self.token_buf = torch.zeros(len(prompt_ids) + config.max_new_tokens + 1, dtype=torch.long,
-                                     device=decoder.device)
-        self.token_buf[:len(self.tokens)] = torch.tensor(self.tokens, dtype=torch.long)
+        # the same sequence as an array, for penalty windows without a list-to-tensor copy per draw (on the CPU,
+        # where the draw reads them; numpy's indexing costs a fraction of a tensor's on these few ids)
+        self.token_buf = np.zeros(len(prompt_ids) + config.max_new_tokens + 1, dtype=np.int64)
+        self.token_buf[:len(self.tokens)] = self.tokens
         cfg = decoder.model.cfg
         banned = cfg.eos_token_ids if config.ignore_eos else ()
         self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
@@ -166,13 +167,13 @@ class Generation:
         return len(self.tokens) - len(self.prompt_ids)
 
     def window(self, extra: list[int] = ()) -> Tensor:  # type: ignore[assignment]
-        """Penalty window (token ids) for the draw after the sequence followed by `extra`."""
+        """Penalty window (token ids, [1, W] on the CPU) for the draw after the sequence followed by `extra`."""
         W, end = self.config.sampling.penalty_window, len(self.tokens)
         base = self.token_buf[max(0, end - max(0, W - len(extra))):end]
         if extra:
-            tail = torch.tensor(list(extra)[-W:], dtype=torch.long, device=base.device)
-            base = torch.cat([base, tail]) if len(extra) < W else tail
-        return base[None]
+            tail = np.asarray(list(extra)[-W:], dtype=np.int64)
+            base = np.concatenate([base, tail]) if len(extra) < W else tail
+        return torch.from_numpy(base)[None]  # a view: the ids before `end` never change
 
     def draw(self, logits_row: Tensor, extra: list[int] = ()) -> int:  # type: ignore[assignment]
         """Draw the token after the sequence (+ `extra` path tokens) from one row of logits."""
@@ -219,7 +220,7 @@ class Generation:
             self.stop_reason = "length"
         accepted = min(accepted, max(0, len(kept) - 1))
         self.tokens.extend(kept)
-        self.token_buf[len(self.tokens) - len(kept):len(self.tokens)] = torch.tensor(kept, dtype=torch.long)
+        self.token_buf[len(self.tokens) - len(kept):len(self.tokens)] = kept
         text = self.stream.push(kept)
         if self.stop_reason:
             text += self.stream.flush()

@@ -85,6 +85,7 @@ def apply_penalty(logits: Tensor, windows: Tensor, theta: float) -> Tensor:
     """
     if theta == 1.0 or windows.numel() == 0:
         return logits
+    windows = windows.to(logits.device)
     picked = logits.gather(1, windows)
     picked = torch.where(picked > 0, picked / theta, picked * theta)
     return logits.scatter_(1, windows, picked)

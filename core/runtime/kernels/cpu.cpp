@@ -1238,23 +1238,23 @@ inline float gumbel(uint64_t key, int64_t id) {
   return static_cast<float>(-std::log(-std::log(u)));
 }
 
-// The tokens whose e[i] >= lo, in id order: their values into ce and ids into ci (both resized); returns how many.
-int64_t tokens_at_least(const float* e, int64_t n, float lo, std::vector<float>& ce, std::vector<int32_t>& ci) {
-  ce.resize(n + 16);
-  ci.resize(n + 16);
-  int64_t count = 0, i = 0;
+// Appends the e[i] >= lo (i < n), in order, to ce and ci from `count` on (ids: first + i; both sized for n more,
+// plus 16); returns the new count.
+int64_t append_at_least(const float* e, int64_t n, int64_t first, float lo, float* ce, int32_t* ci, int64_t count) {
+  int64_t i = 0;
 #if defined(__AVX512F__)
   // compress in registers and store whole vectors (the slack of 16 takes the unused lanes): a compressing store to
   // memory is slow on some CPUs
   const __m512 bound = _mm512_set1_ps(lo);
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m512i step = _mm512_set1_epi32(16);
   for (; i + 16 <= n; i += 16) {
     const __m512 x = _mm512_loadu_ps(e + i);
     const __mmask16 k = _mm512_cmp_ps_mask(x, bound, _CMP_GE_OQ);
     if (k) {
-      _mm512_storeu_ps(ce.data() + count, _mm512_maskz_compress_ps(k, x));
-      _mm512_storeu_si512(ci.data() + count, _mm512_maskz_compress_epi32(k, idx));
+      _mm512_storeu_ps(ce + count, _mm512_maskz_compress_ps(k, x));
+      _mm512_storeu_si512(ci + count, _mm512_maskz_compress_epi32(k, idx));
       count += __builtin_popcount(k);
     }
     idx = _mm512_add_epi32(idx, step);
@@ -1262,9 +1262,35 @@ int64_t tokens_at_least(const float* e, int64_t n, float lo, std::vector<float>&
 #endif
   for (; i < n; ++i) {
     ce[count] = e[i];
-    ci[count] = static_cast<int32_t>(i);
+    ci[count] = static_cast<int32_t>(first + i);
     count += e[i] >= lo;
   }
+  return count;
+}
+
+// e[i] = exp(v[i] - m) for the scores v[0 .. n) (0 for a filtered one, -inf): the tokens with e[i] >= lo, in id
+// order, their e into ce and ids into ci (both resized); returns how many, and with `total` the sum of every e[i].
+// In blocks that stay in L1, so the vocabulary's e are never written out whole.
+int64_t exp_at_least(const float* v, int64_t n, float m, float lo, std::vector<float>& ce, std::vector<int32_t>& ci,
+                     float* total = nullptr) {
+  constexpr int64_t kBlock = 1024;
+  alignas(64) float e[kBlock];
+  ce.resize(n + 16);
+  ci.resize(n + 16);
+  int64_t count = 0;
+  float sum = 0.0f;
+  for (int64_t first = 0; first < n; first += kBlock) {
+    const int64_t len = std::min(kBlock, n - first);
+    float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+    for (int64_t i = 0; i < len; ++i) {
+      e[i] = exp_nonpositive(v[first + i] - m);
+      part += e[i];
+    }
+    sum += part;
+    count = append_at_least(e, len, first, lo, ce.data(), ci.data(), count);
+  }
+  if (total != nullptr) *total = sum;
   return count;
 }
 
@@ -1272,12 +1298,14 @@ int64_t tokens_at_least(const float* e, int64_t n, float lo, std::vector<float>&
 // filters (see draw), shared with the drafts' ranking so a draft is ranked as the token will be drawn. With `kept`
 // (the draw's), where top-p decides last and its nucleus lies among the tokens it ranked, the kept tokens' ids come
 // back in id order instead, their scores as filtered and the others' left as they were (true returned): the draw
-// then reads those alone, not the whole vocabulary twice more.
+// then reads those alone, not the whole vocabulary twice more. `divided`: v already holds the scores over the
+// temperature (the draw divides them as it copies them).
 bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, int64_t top_k, double min_p,
-                   std::vector<int32_t>* kept = nullptr) {
+                   std::vector<int32_t>* kept = nullptr, bool divided = false) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const float t = static_cast<float>(temperature);
-  for (int64_t i = 0; i < vocab; ++i) v[i] = v[i] / t;
+  if (!divided)
+    for (int64_t i = 0; i < vocab; ++i) v[i] = v[i] / t;
   if (top_k > 0 && top_k < vocab) {
     std::vector<float> copy(v, v + vocab);
     std::nth_element(copy.begin(), copy.begin() + (top_k - 1), copy.end(), std::greater<float>());
@@ -1287,15 +1315,6 @@ bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
   }
   if (top_p < 1.0) {
     const float m = max_of(v, vocab);
-    thread_local std::vector<float> e;
-    e.resize(vocab);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < vocab; ++i) {
-      e[i] = exp_nonpositive(v[i] - m);  // 0 for a filtered token (-inf)
-      sum += e[i];
-    }
-    const double goal = top_p * static_cast<double>(sum);
     // The nucleus: the shortest prefix of the tokens ranked by (e desc, id asc) whose mass reaches top_p of the
     // whole, among the tokens with e >= 1e-6 (the top token has e = 1) when their mass reaches the goal, as it nearly
     // always does, else among every token. A positive float's bits rank it, so the tokens fall into buckets by their
@@ -1303,13 +1322,14 @@ bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
     // their mass (summed in id order), until one would reach the goal; that one is ranked token by token.
     thread_local std::vector<float> ce;
     thread_local std::vector<int32_t> ci;
-    float lo = 1e-6f;
-    int64_t nc = tokens_at_least(e.data(), vocab, lo, ce, ci);
+    float lo = 1e-6f, sum = 0.0f;
+    int64_t nc = exp_at_least(v, vocab, m, lo, ce, ci, &sum);
+    const double goal = top_p * static_cast<double>(sum);
     double big = 0.0;
     for (int64_t j = 0; j < nc; ++j) big += ce[j];
     if (big < goal) {
       lo = std::numeric_limits<float>::denorm_min();
-      nc = tokens_at_least(e.data(), vocab, lo, ce, ci);
+      nc = exp_at_least(v, vocab, m, lo, ce, ci);
     }
     constexpr int kBuckets = 1 << 11;  // float bits >> 19 of a value in (0, 1]
     auto bucket = [](float x) {
@@ -1363,7 +1383,10 @@ bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
       std::sort(kept->begin(), kept->end());
       return true;
     }
-    for (int64_t i = 0; i < vocab; ++i) v[i] = e[i] > 0.0f && bucket(e[i]) >= cut ? v[i] : ninf;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const float e = exp_nonpositive(v[i] - m);
+      v[i] = e > 0.0f && bucket(e) >= cut ? v[i] : ninf;
+    }
     for (const auto& [id, score] : partial) v[id] = score;
   }
   if (min_p > 0.0) {  // p_i < min_p * p_max, that is exp(v_i - max) < min_p
@@ -1415,11 +1438,20 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
   TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
   auto lc = logits.contiguous();
   const float* lp = lc.data_ptr<float>();
-  thread_local std::vector<float> v;
-  v.assign(lp, lp + vocab);
   const float ninf = -std::numeric_limits<float>::infinity();
-  auto bc = banned.contiguous();
-  for (int64_t i = 0; i < bc.numel(); ++i) v[bc.data_ptr<int64_t>()[i]] = ninf;
+  // The scores: sampling, the logits over the temperature, divided as they are copied (filter_scores would divide
+  // them in a pass of its own), the penalised ones divided after their penalty, as filter_scores would.
+  const bool greedy = temperature == 0.0;
+  const float t = static_cast<float>(temperature);
+  thread_local std::vector<float> v;
+  v.resize(vocab);
+  float* vp = v.data();
+  if (greedy) {
+    std::copy(lp, lp + vocab, vp);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < vocab; ++i) vp[i] = lp[i] / t;
+  }
   if (penalty != 1.0 && window.numel() > 0) {
     auto wc = window.contiguous();
     const int64_t* wp = wc.data_ptr<int64_t>();
@@ -1431,11 +1463,14 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
       TORCH_CHECK(0 <= id && id < vocab, "draw: window id ", id, " outside 0..", vocab - 1);
       if (seen[id]) continue;
       seen[id] = 1;
-      v[id] = v[id] > 0.0f ? v[id] / theta : v[id] * theta;
+      const float x = lp[id] > 0.0f ? lp[id] / theta : lp[id] * theta;
+      vp[id] = greedy ? x : x / t;
     }
     for (int64_t j = 0; j < wc.numel(); ++j) seen[wp[j]] = 0;
   }
-  if (temperature == 0.0) {  // the first of the largest scores (none: every token banned)
+  auto bc = banned.contiguous();
+  for (int64_t i = 0; i < bc.numel(); ++i) vp[bc.data_ptr<int64_t>()[i]] = ninf;
+  if (greedy) {  // the first of the largest scores (none: every token banned)
     const float m = max_of(v.data(), vocab);
     return m == ninf ? -1 : first_equal(v.data(), vocab, m);
   }
@@ -1447,7 +1482,7 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
     if (best < 0 || x > top) best = i, top = x;
   };
   thread_local std::vector<int32_t> kept;
-  if (filter_scores(v.data(), vocab, temperature, top_p, top_k, min_p, &kept))
+  if (filter_scores(vp, vocab, temperature, top_p, top_k, min_p, &kept, /*divided=*/true))
     for (const int32_t i : kept) consider(i);
   else
     for_each_finite(v.data(), vocab, consider);
