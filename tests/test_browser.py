@@ -210,7 +210,7 @@ def test_history_and_export(page, tmp_path):
 
 def test_quick_clicks_through_the_chapters_open_the_last_one(page):
     """A writer clicking one chapter and at once another: every click counts, in order, and the page and the server
-    end on the chapter clicked last (a click while the one before was on its way used to be dropped, leaving the
+    end on the chapter clicked last (two clicks used to run at once, and the earlier could finish last, leaving the
     server on the earlier chapter while the list showed the later one)."""
     new_title = page.locator("#new-title input, #new-title textarea").first
     if not new_title.is_visible():  # the form closes once a project exists
