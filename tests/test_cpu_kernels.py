@@ -384,9 +384,10 @@ def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weig
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
 def test_the_native_stack_computes_the_same_floats_on_any_number_of_threads(tiny_dir: Path, weights: str) -> None:
-    """The stack's threads share every phase (tokens, tiles, attention's chunks by cost, rows to merge) and meet at
-    barriers; how many there are, and so which thread takes what, changes no float: a prefill and a tree block on
-    one, two or three threads give the same logits and the same cache."""
+    """The stack's threads share every phase (the per-row glue in pieces of a row, tiles, attention's chunks by
+    cost, rows to merge) and meet at barriers; how many there are, and so which thread takes what, changes no float:
+    a prefill, a tree block, one-token steps and a two-token block (fewer tokens than threads: their rows' norms and
+    gates split by columns) on one, two or three threads give the same logits and the same cache."""
     model = load_model(str(tiny_dir), device="cpu", weights=weights).model
     ids = torch.randint(512, (300,), generator=torch.Generator().manual_seed(2))
     tree = branching_trees()[0]
@@ -397,11 +398,19 @@ def test_the_native_stack_computes_the_same_floats_on_any_number_of_threads(tiny
         for count in (1, 2, 3):
             torch.set_num_threads(count)
             with torch.inference_mode():
-                c = model.new_cache(300 + len(tree))
+                c = model.new_cache(300 + len(tree) + 8)
                 prefill, _ = model(ids, torch.arange(300), c)
                 c.commit()
                 block, _ = model(tokens, tree.positions(300), c, tree.mask())
-            runs.append((prefill, block, c.k.clone(), c.v.clone()))
+                c.rollback()
+                steps = []
+                for at in range(300, 303):
+                    logits, _ = model(ids[at - 300:at - 299], torch.tensor([at]), c)
+                    c.commit()
+                    steps.append(logits)
+                pair, _ = model(ids[:2], torch.arange(303, 305), c)
+                c.commit()
+            runs.append((prefill, block, torch.cat(steps), pair, c.k.clone(), c.v.clone()))
     finally:
         torch.set_num_threads(threads)
     for run in runs[1:]:

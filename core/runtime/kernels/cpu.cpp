@@ -9,14 +9,16 @@
 // whatever other rows share the call, however many threads run and wherever the row's keys sit in the cache. So a
 // one-token step, a verified token tree and a prefill chunk give a position the same floats, and TokenSwift's
 // tokens equal vanilla decoding's. How:
-// - work is split over output columns (linear) or (head, key chunk) tasks (attention), never inside a row's sum;
+// - work is split over output columns (linear), (head, key chunk) tasks (attention) or a row's elements (the glue),
+//   never inside a row's sum: a thread that normalises part of a row computes the row's sum of squares whole;
 // - every multiply-add is an explicit fma, or a bf16 pair's dot product in a fixed order (kPairs) (the file is built
 //   with -ffp-contract=off, so nothing else is fused);
 // - bf16 weights and bf16 keys and values widen to fp32 exactly (a bf16 is a float's upper 16 bits) and then take
 //   the fp32 arithmetic, or the pairs' products;
 // - integer dot products (quantized weights) are exact, whatever instruction computes them;
 // - a row's accumulator over k (or over keys) always runs in the same order, in one vector lane of its own;
-// - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count;
+// - reductions along a row (sums of squares, softmax sums) are per-row code with a fixed trip count, in one
+//   compiled function where more than one thread computes them;
 // - rounding to bf16 is a function of the one element it rounds.
 // The file is compiled once per instruction set level (build.py): AVX-512 with VNNI, AVX2, or plain C++.
 #include <torch/extension.h>
@@ -187,6 +189,21 @@ inline std::pair<int64_t, int64_t> equal_part(int64_t n, int64_t part, int64_t p
   return {n * part / parts, n * (part + 1) / parts};
 }
 
+// Part `part` of `parts` of tasks of unequal cost (cost[t]: the cost of the tasks before t; cost.back(), all of
+// them): each cut where the cumulative cost comes nearest to an equal share.
+inline std::pair<int64_t, int64_t> cost_part(const std::vector<int64_t>& cost, int64_t part, int64_t parts) {
+  const int64_t tasks = static_cast<int64_t>(cost.size()) - 1;
+  auto cut = [&](int64_t p) {
+    if (p == 0) return int64_t{0};
+    if (p == parts) return tasks;
+    const int64_t total = cost.back();
+    int64_t t = 0;
+    while (cost[t] * parts < total * p) ++t;  // the first task at or past the share
+    return t > 0 && total * p - cost[t - 1] * parts < cost[t] * parts - total * p ? t - 1 : t;
+  };
+  return {cut(part), cut(part + 1)};
+}
+
 // f(begin, end) over each thread's part (share(part, parts) -> [begin, end)): the team's, then a barrier, or, with no
 // team, at::parallel_for's threads.
 template <typename Share, typename F>
@@ -284,15 +301,19 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d, int32_t& sum) 
 #endif
 }
 
-// Rows [r0, r1) of x [out.rows, out.k] into `out` (sized by size_for): per block d, the sum of q, and d * sum(q)
-// (the min term of 4-bit weights).
+// Columns [c0, c1) (multiples of 32) of row r of x [out.rows, out.k] into `out` (sized by size_for): per block d,
+// the sum of q, and d * sum(q) (the min term of 4-bit weights).
+void quantize_columns(const float* x, int64_t r, int64_t c0, int64_t c1, QuantRows& out) {
+  for (int64_t b = c0 / kBlock; b < c1 / kBlock; ++b) {
+    const int64_t at = r * out.blocks + b;
+    quantize_block(x + r * out.k + b * kBlock, &out.q[r * out.k + b * kBlock], out.d[at], out.sum[at]);
+    out.ds[at] = out.d[at] * static_cast<float>(out.sum[at]);
+  }
+}
+
+// Rows [r0, r1) of x, whole.
 void quantize_rows(const float* x, int64_t r0, int64_t r1, QuantRows& out) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t b = 0; b < out.blocks; ++b) {
-      const int64_t at = r * out.blocks + b;
-      quantize_block(x + r * out.k + b * kBlock, &out.q[r * out.k + b * kBlock], out.d[at], out.sum[at]);
-      out.ds[at] = out.d[at] * static_cast<float>(out.sum[at]);
-    }
+  for (int64_t r = r0; r < r1; ++r) quantize_columns(x, r, 0, out.k, out);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -527,44 +548,50 @@ void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, 
   }
 }
 
+// With `add`, out += y, rounded as the stack stores a residual sum (a residual connection, y rounded first).
 template <int RB>
-void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float* out, bool bf16) {
+void tile_store(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float* out, bool bf16,
+                bool add) {
   float acc[RB][kCols];
   tile_rows<RB>(L, t, x, xq, r0, acc);
   const int64_t c0 = t * kCols, width = std::min(kCols, L.n - c0);
   for (int r = 0; r < RB; ++r)
-    for (int64_t c = 0; c < width; ++c)
-      out[(r0 + r) * L.n + c0 + c] = store(L.bias ? acc[r][c] + L.bias[c0 + c] : acc[r][c], bf16);
+    for (int64_t c = 0; c < width; ++c) {
+      float& o = out[(r0 + r) * L.n + c0 + c];
+      const float y = store(L.bias ? acc[r][c] + L.bias[c0 + c] : acc[r][c], bf16);
+      o = add ? store(o + y, bf16) : y;
+    }
 }
 
 // Tiles [t0, t1) of y [R, N] = x [R, K] W^T (+ bias) (xq: x quantized, for quantized weights), rounded to bf16 once
-// at the end if `bf16`. Each tile's rows in near-equal blocks of at most 6 (fp32, bf16: 6 x 16 accumulators fill
-// AVX2's registers) or 8 (quantized) rows sharing every loaded weight.
+// at the end if `bf16`, into out (or, with `add`, added to it). Each tile's rows in near-equal blocks of at most 6
+// (fp32, bf16: 6 x 16 accumulators fill AVX2's registers) or 8 (quantized) rows sharing every loaded weight.
 void linear_tiles(const Linear& L, const float* x, const QuantRows& xq, int64_t R, int64_t t0, int64_t t1, float* out,
-                  bool bf16) {
+                  bool bf16, bool add) {
   const int64_t most = quantized(L.fmt) ? 8 : 6;
   const int64_t blocks = (R + most - 1) / most;
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t b = 0, r = 0; b < blocks; ++b) {
       const int64_t rows = (R - r + blocks - b - 1) / (blocks - b);
       switch (rows) {
-        case 1: tile_store<1>(L, t, x, xq, r, out, bf16); break;
-        case 2: tile_store<2>(L, t, x, xq, r, out, bf16); break;
-        case 3: tile_store<3>(L, t, x, xq, r, out, bf16); break;
-        case 4: tile_store<4>(L, t, x, xq, r, out, bf16); break;
-        case 5: tile_store<5>(L, t, x, xq, r, out, bf16); break;
-        case 6: tile_store<6>(L, t, x, xq, r, out, bf16); break;
-        case 7: tile_store<7>(L, t, x, xq, r, out, bf16); break;
-        default: tile_store<8>(L, t, x, xq, r, out, bf16); break;
+        case 1: tile_store<1>(L, t, x, xq, r, out, bf16, add); break;
+        case 2: tile_store<2>(L, t, x, xq, r, out, bf16, add); break;
+        case 3: tile_store<3>(L, t, x, xq, r, out, bf16, add); break;
+        case 4: tile_store<4>(L, t, x, xq, r, out, bf16, add); break;
+        case 5: tile_store<5>(L, t, x, xq, r, out, bf16, add); break;
+        case 6: tile_store<6>(L, t, x, xq, r, out, bf16, add); break;
+        case 7: tile_store<7>(L, t, x, xq, r, out, bf16, add); break;
+        default: tile_store<8>(L, t, x, xq, r, out, bf16, add); break;
       }
       r += rows;
     }
   }
 }
 
-// The whole of y = x W^T over the threads: `team`'s (xq already made from x by the caller) or at::parallel_for's.
+// The whole of y = x W^T (into out, or with `add` added to it) over the threads: `team`'s (xq already made from x by
+// the caller) or at::parallel_for's.
 void linear_into(const Linear& L, const float* x, int64_t R, float* out, bool bf16, const Team* team = nullptr,
-                 const QuantRows* xq = nullptr) {
+                 const QuantRows* xq = nullptr, bool add = false) {
   QuantRows own;
   if (xq == nullptr) {
     if (quantized(L.fmt)) {
@@ -575,7 +602,7 @@ void linear_into(const Linear& L, const float* x, int64_t R, float* out, bool bf
   }
   const int64_t T = (L.n + kCols - 1) / kCols;
   run_parts(team, [&](int64_t part, int64_t parts) { return equal_part(T, part, parts); },
-            [&](int64_t t0, int64_t t1) { linear_tiles(L, x, *xq, R, t0, t1, out, bf16); });
+            [&](int64_t t0, int64_t t1) { linear_tiles(L, x, *xq, R, t0, t1, out, bf16, add); });
 }
 
 Linear linear_from(int64_t fmt, const torch::Tensor& a, const torch::Tensor& d, const torch::Tensor& m,
@@ -953,33 +980,20 @@ struct Attention {
     part_acc.resize(H * C * R * D);
   }
 
-  // Tokens [i0, i1) of q [H, R, D] (rows h * R + g * n + i): softmax(scale * q.k) = softmax((scale * q).k); bf16
-  // products take bf16 queries.
-  void queries(const float* q, int64_t i0, int64_t i1) {
-    for (int64_t hg = 0; hg < H * G; ++hg)
-      for (int64_t at = (hg * n + i0) * D; at < (hg * n + i1) * D; ++at) {
-        qs[at] = q[at] * scale;
-        if (pairs) qs[at] = round_bf16(qs[at]);
+  // Query head hq (KV head hq / G's row hq % G * n + i) of token i, from q [D]: softmax(scale * q.k) =
+  // softmax((scale * q).k); bf16 products take bf16 queries.
+  void query(int64_t hq, int64_t i, const float* q) {
+    const int64_t row = (hq * n + i) * D;
+    for (int64_t j = 0; j < D; ++j) {
+      qs[row + j] = q[j] * scale;
+      if (pairs) qs[row + j] = round_bf16(qs[row + j]);
 #if defined(__AVX512BF16__)
-        if (pairs && at % 2 == 1) qp[at / 2] = bf16_pair(&qs[at - 1]);
+      if (pairs && j % 2 == 1) qp[(row + j) / 2] = bf16_pair(&qs[row + j - 1]);
 #endif
-      }
+    }
   }
 
   const int32_t* query_pairs(int64_t h) const { return qp.empty() ? nullptr : &qp[h * R * D / 2]; }
-
-  // The tasks of part `part` of `parts`: split where the cumulative cost comes nearest to an equal share.
-  std::pair<int64_t, int64_t> part(int64_t part, int64_t parts) const {
-    auto cut = [&](int64_t p) {
-      if (p == 0) return int64_t{0};
-      if (p == parts) return H * C;
-      const int64_t total = cost.back();
-      int64_t t = 0;
-      while (cost[t] * parts < total * p) ++t;  // the first task at or past the share
-      return t > 0 && total * p - cost[t - 1] * parts < cost[t] * parts - total * p ? t - 1 : t;
-    };
-    return {cut(part), cut(part + 1)};
-  }
 
   void tasks(int64_t begin, int64_t end, const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh) {
     static thread_local std::vector<float> p, block, wide;
@@ -1075,14 +1089,15 @@ struct Attention {
     }
   }
 
-  // Rows [begin, end) of out [H, R, D] (row h * R + r): the chunks' softmaxes merged in chunk order.
-  void merge(int64_t begin, int64_t end, float* out) const {
+  // Rows [begin, end) (row h * R + r): the chunks' softmaxes merged in chunk order, each row's result [D] given to
+  // out(h * G + r / n, r % n, row): query head, token.
+  template <typename Out>
+  void merge(int64_t begin, int64_t end, const Out& out) const {
     for (int64_t hr = begin; hr < end; ++hr) {
       const int64_t h = hr / R, r = hr % R;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < C; ++c) m = std::max(m, part_max[(h * C + c) * R + r]);
-      float* o = out + hr * D;
-      std::fill(o, o + D, 0.0f);
+      float o[D] = {};
       float total = 0.0f;
       for (int64_t c = 0; c < C; ++c) {
         const int64_t idx = (h * C + c) * R + r;
@@ -1093,13 +1108,15 @@ struct Attention {
         for (int64_t j = 0; j < D; ++j) o[j] = fma_(w, a[j], o[j]);
       }
       for (int64_t j = 0; j < D; ++j) o[j] /= total;
+      out(h * G + r / n, r % n, static_cast<const float*>(o));
     }
   }
 
-  // The whole of it for one layer: q [H, R, D] -> out [H, R, D], over `team`'s threads (after one thread has called
-  // queries) or at::parallel_for's.
-  void run(const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh, float* out, const Team* team) {
-    run_parts(team, [&](int64_t i, int64_t parts) { return part(i, parts); },
+  // The whole of it for one layer (every query given): each row's result to out (see merge), over `team`'s threads
+  // or at::parallel_for's.
+  template <typename Out>
+  void run(const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh, const Out& out, const Team* team) {
+    run_parts(team, [&](int64_t i, int64_t parts) { return cost_part(cost, i, parts); },
               [&](int64_t b, int64_t e) { tasks(b, e, kp, kh, ks, vp, vh); });
     run_parts(team, [&](int64_t i, int64_t parts) { return equal_part(H * R, i, parts); },
               [&](int64_t b, int64_t e) { merge(b, e, out); });
@@ -1111,8 +1128,11 @@ void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int6
               const E* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
               float scale, bool bf16_products, float* out) {
   Attention<D, E> a(H, G, n, past, anc, window, scale, bf16_products);
-  a.queries(q, 0, n);
-  a.run(kp, kh, ks, vp, vh, out, nullptr);
+  for (int64_t hq = 0; hq < H * G; ++hq)
+    for (int64_t i = 0; i < n; ++i) a.query(hq, i, q + (hq * n + i) * D);
+  a.run(kp, kh, ks, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
+    std::copy(o, o + D, out + (hq * n + i) * D);
+  }, nullptr);
 }
 
 // The ancestors (and self) of each block token in block order: from a visibility matrix [n, n], or causal.
@@ -1167,58 +1187,67 @@ void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, con
 // ---------------------------------------------------------------------------------------------------------------
 // Per-row glue; with `bf16`, rounded where a bf16 model rounds (round_bf16).
 
+// The sum of x[i]^2 over i < n, in 16 lanes added in lane order. One compiled function, not inlined: every thread
+// that normalises some columns of a row computes the row's sum whole, and all of them, whatever code surrounds the
+// call, must get the same float.
+__attribute__((noinline)) float sum_of_squares(const float* x, int64_t n) {
+  float lane[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+#pragma omp simd
+    for (int l = 0; l < 16; ++l) lane[l] += x[i + l] * x[i + l];
+  for (int l = 0; i < n; ++i, ++l) lane[l] += x[i] * x[i];
+  float s = 0.0f;
+  for (int l = 0; l < 16; ++l) s += lane[l];
+  return s;
+}
+
 // (The per-element loops below are instantiated for each rounding mode: with the mode a run-time test inside the
 // loop, the compiler kept them scalar.)
+// Columns [c0, c1) of the RMSNorm of the row x [H].
 template <bool BF16>
-void rms_norm_of(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out) {
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x + r * H;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[r * H + i] = store(w[i] * store(xr[i] * inv, BF16), BF16);
-  }
+void rms_norm_columns(const float* x, const float* w, int64_t H, float eps, int64_t c0, int64_t c1, float* out) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(x, H) / static_cast<float>(H) + eps);
+  for (int64_t i = c0; i < c1; ++i) out[i] = store(w[i] * store(x[i] * inv, BF16), BF16);
+}
+
+void rms_norm_columns(const float* x, const float* w, int64_t H, float eps, int64_t c0, int64_t c1, float* out,
+                      bool bf16) {
+  bf16 ? rms_norm_columns<true>(x, w, H, eps, c0, c1, out) : rms_norm_columns<false>(x, w, H, eps, c0, c1, out);
 }
 
 void rms_norm(const float* x, const float* w, int64_t R, int64_t H, float eps, float* out, bool bf16) {
-  bf16 ? rms_norm_of<true>(x, w, R, H, eps, out) : rms_norm_of<false>(x, w, R, H, eps, out);
+  for (int64_t r = 0; r < R; ++r) rms_norm_columns(x + r * H, w, H, eps, 0, H, out + r * H, bf16);
 }
 
-// Rotary embedding ("rotate half") of `heads` heads of size D in place; cos/sin rows [R, D].
-void rope(float* x, int64_t R, int64_t ld, int64_t heads, int64_t D, const float* cos, const float* sin, bool bf16) {
+// Rotary embedding ("rotate half") of one head v [D] in place; cos/sin [D], the token's rows.
+void rope_head(float* v, int64_t D, const float* c, const float* s, bool bf16) {
   const int64_t half = D / 2;
-  std::vector<float> tmp(D);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + r * ld + h * D;
-      const float* c = cos + r * D;
-      const float* s = sin + r * D;
-      for (int64_t i = 0; i < half; ++i)
-        tmp[i] = store(store(v[i] * c[i], bf16) - store(v[i + half] * s[i], bf16), bf16);
-      for (int64_t i = half; i < D; ++i)
-        tmp[i] = store(store(v[i] * c[i], bf16) + store(v[i - half] * s[i], bf16), bf16);
-      std::copy(tmp.begin(), tmp.end(), v);
-    }
+  float tmp[256];  // D <= 256 (with_head_size)
+  for (int64_t i = 0; i < half; ++i) tmp[i] = store(store(v[i] * c[i], bf16) - store(v[i + half] * s[i], bf16), bf16);
+  for (int64_t i = half; i < D; ++i) tmp[i] = store(store(v[i] * c[i], bf16) + store(v[i - half] * s[i], bf16), bf16);
+  std::copy(tmp, tmp + D, v);
 }
 
-// out[r][i] = silu(gate[r][i]) * up[r][i], gate and up the two halves of gu's rows.
+// Columns [c0, c1) of out [I] = silu(gate) * up, gate and up the two halves of gu [2 I].
 template <bool BF16>
-void silu_gate_of(const float* gu, int64_t R, int64_t I, float* out) {
-  for (int64_t r = 0; r < R; ++r) {
-    const float* g = gu + r * 2 * I;
-    const float* u = g + I;
+void silu_gate_columns(const float* gu, int64_t I, int64_t c0, int64_t c1, float* out) {
+  const float* g = gu;
+  const float* u = gu + I;
 #pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float e = exp_nonpositive(-std::fabs(g[i]));
-      const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-      out[r * I + i] = store(store(g[i] * sig, BF16) * u[i], BF16);
-    }
+  for (int64_t i = c0; i < c1; ++i) {
+    const float e = exp_nonpositive(-std::fabs(g[i]));
+    const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    out[i] = store(store(g[i] * sig, BF16) * u[i], BF16);
   }
 }
 
+void silu_gate_columns(const float* gu, int64_t I, int64_t c0, int64_t c1, float* out, bool bf16) {
+  bf16 ? silu_gate_columns<true>(gu, I, c0, c1, out) : silu_gate_columns<false>(gu, I, c0, c1, out);
+}
+
 void silu_gate(const float* gu, int64_t R, int64_t I, float* out, bool bf16) {
-  bf16 ? silu_gate_of<true>(gu, R, I, out) : silu_gate_of<false>(gu, R, I, out);
+  for (int64_t r = 0; r < R; ++r) silu_gate_columns(gu + r * 2 * I, I, 0, I, out + r * I, bf16);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1667,11 +1696,6 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
   return out;
 }
 
-// Rows [i0, i1) of x [R, H] += y, rounded as the stack stores (store).
-inline void residual(float* x, const float* y, int64_t i0, int64_t i1, int64_t H, bool bf16) {
-  for (int64_t i = i0 * H; i < i1 * H; ++i) x[i] = store(x[i] + y[i], bf16);
-}
-
 // A whole decoder stack over n new tokens, in place on x [n, hidden]: per layer RMSNorm, the fused QKV projection,
 // rotary embedding, the new keys and values written into the cache at slots past .. past + n - 1, attention, the
 // output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
@@ -1716,75 +1740,86 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
   const int64_t kh = kc.stride(1), ks = kc.stride(2), vh = vc.stride(1);
   const int64_t inter = Ls[2].n / 2;
   float* xp = x.data_ptr<float>();
-  std::vector<float> h(n * H), qkv(n * ld), att(n * q_dim), qg(n * q_dim), og(n * q_dim), gu(n * 2 * inter),
-      act(n * inter), y(n * H);
+  std::vector<float> h(n * H), qkv(n * ld), att(n * q_dim), gu(n * 2 * inter), act(n * inter);
   Attention<D, E> attention(n_kv, G, n, past, anc, window, static_cast<float>(scale), !bf16);
   QuantRows xq[4];  // each linear layer's input, quantized
   for (int j = 0; j < 4; ++j) xq[j].size_for(n, Ls[j].k);
   const float ep = static_cast<float>(eps);
-  auto quantize = [&](const Linear* L, int j, const float* in, int64_t r0, int64_t r1) {
-    if (quantized(L[j].fmt)) quantize_rows(in, r0, r1, xq[j]);
-  };
+  // A head's rotary embedding and what follows it (a key head's key and value into the cache; a query head's scaled
+  // query), per token: the KV heads first, then the query heads. A key head writes a cache line per dimension.
+  const int64_t heads = n_kv + n_heads;
+  std::vector<int64_t> head_cost(n * heads + 1);
+  for (int64_t u = 0; u < n * heads; ++u) head_cost[u + 1] = head_cost[u] + (u % heads < n_kv ? 4 : 1);
+  // Attention's rows into att [n, q_dim], quantized there when a head's columns are whole quantization blocks.
+  const bool quantize_heads = D % kBlock == 0 && quantized(Ls[1].fmt);
   const int threads = at::get_num_threads();
-  // One region for the whole stack: every thread takes its part of each phase (the per-row glue by tokens, the
-  // linear layers by tiles, attention by tasks), a barrier after each.
+  // One region for the whole stack: every thread takes its part of each phase and they meet at a barrier after it.
+  // The per-row glue is cut into (token, 32 columns) pieces, so a one-token step shares it too; a row's norm needs
+  // the row's sum of squares, which each thread computes whole. The residual sums are taken by the output and down
+  // projections, as they write their columns.
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const Team team = Team::current();
-    auto tokens = [&](auto f) {
-      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part(n, part, parts); }, f);
+    // f(i, c0, c1) for the columns [c0, c1) of token i in this thread's part of n rows of `width` columns (pieces of
+    // kBlock columns: a piece quantized is a whole block).
+    auto pieces = [&](int64_t width, auto f) {
+      const int64_t per = (width + kBlock - 1) / kBlock;
+      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part(n * per, part, parts); },
+                [&](int64_t u0, int64_t u1) {
+                  for (int64_t i = u0 / per; i * per < u1; ++i) {
+                    const int64_t b0 = std::max(u0, i * per) - i * per, b1 = std::min(u1, (i + 1) * per) - i * per;
+                    f(i, b0 * kBlock, std::min(b1 * kBlock, width));
+                  }
+                });
+    };
+    auto norm = [&](const float* w, const Linear& L, QuantRows& q) {
+      pieces(H, [&](int64_t i, int64_t c0, int64_t c1) {
+        rms_norm_columns(xp + i * H, w, H, ep, c0, c1, h.data() + i * H, bf16);
+        if (quantized(L.fmt)) quantize_columns(h.data(), i, c0, c1, q);
+      });
     };
     for (int64_t l = 0; l < layers; ++l) {
       const Linear* L = &Ls[l * 4];
       E* kp = kbase + l * kc.stride(0);
       E* vp = vbase + l * vc.stride(0);
-      tokens([&](int64_t i0, int64_t i1) {
-        if (l > 0) residual(xp, y.data(), i0, i1, H, bf16);  // the previous layer's MLP
-        rms_norm(xp + i0 * H, norm_w[l * 2], i1 - i0, H, ep, h.data() + i0 * H, bf16);
-        quantize(L, 0, h.data(), i0, i1);
-      });
+      norm(norm_w[l * 2], L[0], xq[0]);
       linear_into(L[0], h.data(), n, qkv.data(), bf16, &team, &xq[0]);
-      tokens([&](int64_t i0, int64_t i1) {
-        rope(qkv.data() + i0 * ld, i1 - i0, ld, n_heads, D, cp + i0 * D, sp + i0 * D, bf16);
-        rope(qkv.data() + i0 * ld + q_dim, i1 - i0, ld, n_kv, D, cp + i0 * D, sp + i0 * D, bf16);
-        for (int64_t i = i0; i < i1; ++i)
-          for (int64_t hk = 0; hk < n_kv; ++hk)
-            for (int64_t j = 0; j < D; ++j) {
-              put(&kp[hk * kh + j * ks + past + i], qkv[i * ld + q_dim + hk * D + j]);
-              put(&vp[hk * vh + (past + i) * D + j], qkv[i * ld + q_dim + kv_dim + hk * D + j]);
-            }
-        // queries as [H_kv, G * n, D]: row g * n + i of KV head hk is query head hk * G + g of token i
-        for (int64_t i = i0; i < i1; ++i)
-          for (int64_t hq = 0; hq < n_heads; ++hq) {
-            const int64_t hk = hq / G, g = hq % G;
-            std::copy(&qkv[i * ld + hq * D], &qkv[i * ld + hq * D] + D, &qg[((hk * G + g) * n + i) * D]);
-          }
-        attention.queries(qg.data(), i0, i1);
-      });
-      attention.run(kp, kh, ks, vp, vh, og.data(), &team);
-      tokens([&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i)
-          for (int64_t hq = 0; hq < n_heads; ++hq) {
-            const int64_t hk = hq / G, g = hq % G;
-            for (int64_t j = 0; j < D; ++j)
-              att[i * q_dim + hq * D + j] = store(og[((hk * G + g) * n + i) * D + j], bf16);
-          }
-        quantize(L, 1, att.data(), i0, i1);
-      });
-      linear_into(L[1], att.data(), n, y.data(), bf16, &team, &xq[1]);
-      tokens([&](int64_t i0, int64_t i1) {
-        residual(xp, y.data(), i0, i1, H, bf16);
-        rms_norm(xp + i0 * H, norm_w[l * 2 + 1], i1 - i0, H, ep, h.data() + i0 * H, bf16);
-        quantize(L, 2, h.data(), i0, i1);
-      });
+      run_parts(&team, [&](int64_t part, int64_t parts) { return cost_part(head_cost, part, parts); },
+                [&](int64_t u0, int64_t u1) {
+                  for (int64_t u = u0; u < u1; ++u) {
+                    const int64_t i = u / heads, hd = u % heads;
+                    float* row = qkv.data() + i * ld;
+                    if (hd >= n_kv) {
+                      const int64_t hq = hd - n_kv;
+                      rope_head(row + hq * D, D, cp + i * D, sp + i * D, bf16);
+                      attention.query(hq, i, row + hq * D);
+                      continue;
+                    }
+                    float* k = row + q_dim + hd * D;
+                    const float* v = row + q_dim + kv_dim + hd * D;
+                    rope_head(k, D, cp + i * D, sp + i * D, bf16);
+                    for (int64_t j = 0; j < D; ++j) {
+                      put(&kp[hd * kh + j * ks + past + i], k[j]);
+                      put(&vp[hd * vh + (past + i) * D + j], v[j]);
+                    }
+                  }
+                });
+      attention.run(kp, kh, ks, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
+        float* a = &att[i * q_dim + hq * D];
+        for (int64_t j = 0; j < D; ++j) a[j] = store(o[j], bf16);
+        if (quantize_heads) quantize_columns(att.data(), i, hq * D, (hq + 1) * D, xq[1]);
+      }, &team);
+      if (quantized(L[1].fmt) && !quantize_heads)
+        pieces(q_dim, [&](int64_t i, int64_t c0, int64_t c1) { quantize_columns(att.data(), i, c0, c1, xq[1]); });
+      linear_into(L[1], att.data(), n, xp, bf16, &team, &xq[1], true);
+      norm(norm_w[l * 2 + 1], L[2], xq[2]);
       linear_into(L[2], h.data(), n, gu.data(), bf16, &team, &xq[2]);
-      tokens([&](int64_t i0, int64_t i1) {
-        silu_gate(gu.data() + i0 * 2 * inter, i1 - i0, inter, act.data() + i0 * inter, bf16);
-        quantize(L, 3, act.data(), i0, i1);
+      pieces(inter, [&](int64_t i, int64_t c0, int64_t c1) {
+        silu_gate_columns(gu.data() + i * 2 * inter, inter, c0, c1, act.data() + i * inter, bf16);
+        if (quantized(L[3].fmt)) quantize_columns(act.data(), i, c0, c1, xq[3]);
       });
-      linear_into(L[3], act.data(), n, y.data(), bf16, &team, &xq[3]);
+      linear_into(L[3], act.data(), n, xp, bf16, &team, &xq[3], true);
     }
-    tokens([&](int64_t i0, int64_t i1) { residual(xp, y.data(), i0, i1, H, bf16); });
   }
 }
 
