@@ -168,16 +168,19 @@ class Generation:
 
     def window(self, extra: list[int] = ()) -> Tensor:  # type: ignore[assignment]
         """Penalty window (token ids, [1, W] on the CPU) for the draw after the sequence followed by `extra`."""
+        return self._window_ids(extra)[None]
+
+    def _window_ids(self, extra: list[int]) -> Tensor:
         W, end = self.config.sampling.penalty_window, len(self.tokens)
         base = self.token_buf[max(0, end - max(0, W - len(extra))):end]
         if extra:
             tail = np.asarray(list(extra)[-W:], dtype=np.int64)
             base = np.concatenate([base, tail]) if len(extra) < W else tail
-        return torch.from_numpy(base)[None]  # a view: the ids before `end` never change
+        return torch.from_numpy(base)  # a view: the ids before `end` never change
 
     def draw(self, logits_row: Tensor, extra: list[int] = ()) -> int:  # type: ignore[assignment]
         """Draw the token after the sequence (+ `extra` path tokens) from one row of logits."""
-        return self.sampler.draw(logits_row, self.window(extra)[0], len(self.tokens) + len(extra))
+        return self.sampler.draw(logits_row, self._window_ids(extra), len(self.tokens) + len(extra))
 
     def new_cache(self) -> KVCache:
         # room for the prompt, the output and one verification block beyond it

@@ -129,6 +129,12 @@ def nucleus(logits: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(logits, dtype=torch.bool).scatter_(1, idx, kept_here)
 
 
+def _cpu_float(t: Tensor) -> Tensor:
+    """t as the kernels read it: float32 on the CPU. A tensor already so is passed as it is: between two forwards
+    every operator called costs more than its work, the caches cold."""
+    return t if t.dtype == torch.float32 and t.device.type == "cpu" else t.float().cpu()
+
+
 def _mix(seed: int, position: int) -> int:
     # splitmix64 of (seed, position): neighbouring positions get unrelated generator seeds.
     z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
@@ -177,6 +183,7 @@ class Sampler:
         self.vocab = vocab
         self.banned = list(banned)  # e.g. end-of-sequence ids when writing to full length
         self._banned_ids = torch.tensor(self.banned, dtype=torch.long)
+        self._no_ids = torch.empty(0, dtype=torch.long)  # rank_drafts' columns where column j is token j
 
     def noise(self, position: int, ids: Tensor | None = None, device: torch.device | str = "cpu") -> Tensor:
         """The draw's Gumbel noise at `position` for token `ids` (None: the whole vocabulary), on `device`."""
@@ -208,10 +215,10 @@ class Sampler:
                 [self.noise(first + i, subset, logits.device) for i in range(logits.shape[0])])
             return rank_drafts(self.draft_scores(logits, subset), k, noise, subset)
         s = self.s
-        keys = torch.tensor([_mix(s.seed, first + i) for i in range(logits.shape[0])], dtype=torch.long)
-        columns = subset if subset is not None else logits.new_empty(0, dtype=torch.long)
-        ranked, p = native.rank_drafts(logits.detach().float(), columns, self._banned_ids, s.temperature, s.top_p,
-                                       s.top_k, s.min_p, keys, k)
+        keys = [_mix(s.seed, first + i) for i in range(logits.shape[0])]
+        columns = subset if subset is not None else self._no_ids
+        ranked, p = native.rank_drafts(_cpu_float(logits), columns, self._banned_ids, s.temperature, s.top_p, s.top_k,
+                                       s.min_p, keys, k)
         return ranked, p
 
     def _without_banned(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
@@ -233,8 +240,9 @@ class Sampler:
         if native is None:
             return int(self.choose(self.scores(logits[None], window[None]), [position])[0])
         s = self.s
-        return native.draw(logits.detach().float().cpu(), self.vocab, window.cpu(), self._banned_ids, s.temperature,
-                           s.top_p, s.top_k, s.min_p, s.penalty, _mix(s.seed, position))
+        window = window if window.device.type == "cpu" else window.cpu()
+        return native.draw(_cpu_float(logits), self.vocab, window, self._banned_ids, s.temperature, s.top_p, s.top_k,
+                           s.min_p, s.penalty, _mix(s.seed, position))
 
     def choose(self, scores: Tensor, positions: list[int]) -> Tensor:
         """The token drawn at each row; row i is the draw for sequence position positions[i]: the argmax of the

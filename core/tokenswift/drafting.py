@@ -117,8 +117,8 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
                 break
             state, logits = engine.root_step(state, torch.tensor([token], device=device))
             ids, p = sampler.rank_drafts(logits, opt.head_topk, root_pos + 1 + level, heads.root_ids)
-            candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
-            token, top = int(ids[0, 0]), float(p[0, 0])
+            candidates.append(list(zip(ids.tolist()[0], p.tolist()[0])))
+            token, top = candidates[-1][0]
             chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top
         if plan.chained_drafting:  # its levels only: heads that know neither token above add nothing worth it
             return candidates

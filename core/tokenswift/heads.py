@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from core.generation.sampling import rank_drafts
 from core.runtime.kernels import cpu
-from core.runtime.model import ModelConfig, RMSNorm, Transformer
+from core.runtime.model import ModelConfig, NativeEmbedding, RMSNorm, Transformer
 from core.runtime.skeleton import skeleton
 from core.runtime.weights import NativeLinear, pack
 
@@ -157,13 +157,15 @@ class DraftHeads(nn.Module):
         assert self.root is not None, "these heads have no root head"
         root, rows = self.root, self.scorer(model, "root_lm")
         native = cpu.kernel() if isinstance(root.up, NativeLinear) and isinstance(rows, NativeLinear) else None
-        if native is not None and not model.bf16_activations and not rows.bf16_out:  # one call of the kernels
+        if (native is not None and isinstance(model.embed, NativeEmbedding) and not model.bf16_activations
+                and not rows.bf16_out):  # one call of the kernels, the roots' embeddings looked up there too
             if self._root_args is None or self._root_args[0] is not rows:  # listed once: it runs every level
                 lin, meta = NativeLinear.listed((root.up, root.down, rows))
+                code, data, d, m, bias, n = model.embed.table.kernel_args()
+                lin, meta = lin + [data, d, m, bias], meta + [code, n]
                 self._root_args = (rows, [root.norm_h.weight, root.norm_e.weight, root.norm_out.weight], lin, meta)
             _, norms, lin, meta = self._root_args
-            state, logits = native.root_step(h0.float(), model.embed(roots).float(), norms, root.norm_h.eps, lin,
-                                             meta)
+            state, logits = native.root_step(h0, roots, norms, root.norm_h.eps, lin, meta)
             return state, logits
         state = root(h0, model.embed(roots))
         return state, self._score(root.norm_out(state), rows)

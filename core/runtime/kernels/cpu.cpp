@@ -1524,7 +1524,7 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
 // probabilities, most likely first (ties by column). A row the filters emptied proposes its first k columns at 0.
 std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, torch::Tensor banned,
                                        double temperature, double top_p, int64_t top_k, double min_p,
-                                       torch::Tensor keys, int64_t k) {
+                                       std::vector<int64_t> keys, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "rank_drafts: logits float32 [rows, V]");
   auto lc = logits.contiguous();
   const int64_t rows = lc.size(0), n = lc.size(1);
@@ -1536,8 +1536,7 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
   auto bc = banned.contiguous();
   std::vector<int64_t> ban(bc.data_ptr<int64_t>(), bc.data_ptr<int64_t>() + bc.numel());
   std::sort(ban.begin(), ban.end());
-  auto kc = keys.contiguous();
-  TORCH_CHECK(temperature == 0.0 || kc.numel() == rows, "rank_drafts: one noise key per row");
+  TORCH_CHECK(temperature == 0.0 || static_cast<int64_t>(keys.size()) == rows, "rank_drafts: one noise key per row");
   auto out_ids = torch::empty({rows, k}, torch::kLong);
   auto out_p = torch::empty({rows, k}, torch::kFloat);
   int64_t* oi = out_ids.data_ptr<int64_t>();
@@ -1551,7 +1550,7 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
       if (std::binary_search(ban.begin(), ban.end(), token(j))) v[j] = ninf;
     if (temperature != 0.0) {
       filter_scores(v.data(), n, temperature, top_p, top_k, min_p);
-      const uint64_t key = static_cast<uint64_t>(kc.data_ptr<int64_t>()[r]);
+      const uint64_t key = static_cast<uint64_t>(keys[r]);
       for_each_finite(v.data(), n, [&](int64_t j) { v[j] += gumbel(key, token(j)); });
     }
     const float m = max_of(v.data(), n);
@@ -1573,59 +1572,71 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
 
 // Rows `ids` of a packed weight [n, k] as fp32 (an embedding lookup in a tied lm_head's table): per element the
 // weight the linear kernels compute with (d * q, or d * q + m for q4_1; a bf16 value widened).
-torch::Tensor embed_rows(torch::Tensor ids, int64_t fmt, torch::Tensor a, torch::Tensor d, torch::Tensor m,
-                         int64_t n, int64_t k) {
-  const Linear L = linear_from(fmt, a, d, m, torch::Tensor(), n, k);
+// Row `id` of a packed weight [n, k] as fp32 into row [k] (see embed_rows).
+void embed_row(const Linear& L, int64_t id, float* row) {
+  const int64_t k = L.k, B = k / kBlock, t = id / kCols, c = id % kCols;
+  if (L.fmt == kFmtF32 || L.fmt == kFmtBF16) {
+    for (int64_t j = 0; j < k; ++j)
+      row[j] = L.f32 ? L.f32[(t * k + j) * kCols + c] : bf16_to_float(L.bf16[(t * k + j) * kCols + c]);
+    return;
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const float dw = half_to_float(L.d[(t * B + b) * kCols + c]);
+    const float mw = L.fmt == kFmtQ4_1 ? half_to_float(L.m[(t * B + b) * kCols + c]) : 0.0f;
+    for (int g = 0; g < 8; ++g)
+      for (int j = 0; j < 4; ++j) {
+        float q;
+        if (L.fmt == kFmtQ8_0) {
+          q = static_cast<float>(L.q8[(t * B + b) * 512 + (g * kCols + c) * 4 + j]);
+        } else {
+          const uint8_t byte = L.q4[(t * B + b) * 256 + ((g % 4) * kCols + c) * 4 + j];
+          q = static_cast<float>(g < 4 ? (byte & 0x0F) : (byte >> 4));
+        }
+        const float w = dw * q;
+        row[b * kBlock + g * 4 + j] = L.fmt == kFmtQ4_1 ? w + mw : w;
+      }
+  }
+}
+
+// Rows `ids` of a table [n, k] (one packed weight) as fp32 [len(ids), k].
+torch::Tensor embed_of(const Linear& L, const torch::Tensor& ids, const char* who) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, who, ": token ids must be int64");
   auto ic = ids.contiguous();
-  const int64_t rows = ic.numel(), B = k / kBlock;
-  auto out = torch::empty({rows, k}, torch::kFloat);
-  float* o = out.data_ptr<float>();
+  const int64_t rows = ic.numel();
+  auto out = torch::empty({rows, L.k}, torch::kFloat);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t id = ic.data_ptr<int64_t>()[r];
-    TORCH_CHECK(0 <= id && id < n, "embed_rows: id ", id, " outside 0..", n - 1);
-    const int64_t t = id / kCols, c = id % kCols;
-    float* row = o + r * k;
-    if (L.fmt == kFmtF32 || L.fmt == kFmtBF16) {
-      for (int64_t j = 0; j < k; ++j)
-        row[j] = L.f32 ? L.f32[(t * k + j) * kCols + c] : bf16_to_float(L.bf16[(t * k + j) * kCols + c]);
-      continue;
-    }
-    for (int64_t b = 0; b < B; ++b) {
-      const float dw = half_to_float(L.d[(t * B + b) * kCols + c]);
-      const float mw = L.fmt == kFmtQ4_1 ? half_to_float(L.m[(t * B + b) * kCols + c]) : 0.0f;
-      for (int g = 0; g < 8; ++g)
-        for (int j = 0; j < 4; ++j) {
-          float q;
-          if (L.fmt == kFmtQ8_0) {
-            q = static_cast<float>(L.q8[(t * B + b) * 512 + (g * kCols + c) * 4 + j]);
-          } else {
-            const uint8_t byte = L.q4[(t * B + b) * 256 + ((g % 4) * kCols + c) * 4 + j];
-            q = static_cast<float>(g < 4 ? (byte & 0x0F) : (byte >> 4));
-          }
-          const float w = dw * q;
-          row[b * kBlock + g * 4 + j] = L.fmt == kFmtQ4_1 ? w + mw : w;
-        }
-    }
+    TORCH_CHECK(0 <= id && id < L.n, who, ": id ", id, " outside 0..", L.n - 1);
+    embed_row(L, id, out.data_ptr<float>() + r * L.k);
   }
   return out;
 }
 
+torch::Tensor embed_rows(torch::Tensor ids, int64_t fmt, torch::Tensor a, torch::Tensor d, torch::Tensor m,
+                         int64_t n, int64_t k) {
+  return embed_of(linear_from(fmt, a, d, m, torch::Tensor(), n, k), ids.reshape(-1), "embed_rows");
+}
+
 // The root head's step (core/tokenswift/heads.py: RootHead, then its scoring) for rows h0 [R, H] and the roots'
-// embeddings e [R, H]: state = h0 + down(silu(up([norm_h(h0); norm_e(e)]))), logits = scorer(norm_out(state)).
-// `norms`: the three norms' weights; `lin`: up, down and the scored lm_head rows as (packed, scales, mins, bias)
-// each, `meta` their (format, outputs). One call for what is otherwise a dozen operators per drafted level; its
-// drafts only choose what is verified, never a token.
-std::vector<torch::Tensor> root_step(torch::Tensor h0, torch::Tensor e, std::vector<torch::Tensor> norms, double eps,
-                                     std::vector<torch::Tensor> lin, std::vector<int64_t> meta) {
-  TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat && e.sizes() == h0.sizes() &&
-              e.scalar_type() == at::kFloat, "root_step: h0 and e float32 [R, H]");
-  TORCH_CHECK(norms.size() == 3 && lin.size() == 12 && meta.size() == 6, "root_step: 3 norms, 3 linear layers");
-  auto hc = h0.contiguous(), ec = e.contiguous();
+// token ids [R]: state = h0 + down(silu(up([norm_h(h0); norm_e(e)]))), logits = scorer(norm_out(state)), e the
+// roots' embeddings. `norms`: the three norms' weights; `lin`: up, down, the scored lm_head rows and the embedding
+// table as (packed, scales, mins, bias) each, `meta` their (format, outputs). One call for what is otherwise a dozen
+// operators per drafted level, each paying for caches a forward has just emptied; its drafts only choose what is
+// verified, never a token.
+std::vector<torch::Tensor> root_step(torch::Tensor h0, torch::Tensor roots, std::vector<torch::Tensor> norms,
+                                     double eps, std::vector<torch::Tensor> lin, std::vector<int64_t> meta) {
+  TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat, "root_step: h0 float32 [R, H]");
+  TORCH_CHECK(roots.numel() == h0.size(0), "root_step: one root per row of h0");
+  TORCH_CHECK(norms.size() == 3 && lin.size() == 16 && meta.size() == 8,
+              "root_step: 3 norms, 3 linear layers and the embedding table");
+  auto hc = h0.contiguous();
   const int64_t R = hc.size(0), H = hc.size(1), W = meta[1];
   const Linear up = linear_from(meta[0], lin[0], lin[1], lin[2], lin[3], W, 2 * H);
   const Linear down = linear_from(meta[2], lin[4], lin[5], lin[6], lin[7], meta[3], W);
   const Linear scorer = linear_from(meta[4], lin[8], lin[9], lin[10], lin[11], meta[5], H);
+  const Linear table = linear_from(meta[6], lin[12], lin[13], lin[14], torch::Tensor(), meta[7], H);
   TORCH_CHECK(down.n == H, "root_step: the down projection must give the hidden size");
+  const torch::Tensor ec = embed_of(table, roots.reshape(-1), "root_step");
   const float ep = static_cast<float>(eps);
   std::vector<float> a(R * H), b(R * H), x(R * 2 * H), u(R * W), normed(R * H);
   rms_norm(hc.data_ptr<float>(), norms[0].contiguous().data_ptr<float>(), R, H, ep, a.data(), false);
