@@ -1761,8 +1761,8 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
   const int64_t heads = n_kv + n_heads;
   std::vector<int64_t> head_cost(n * heads + 1);
   for (int64_t u = 0; u < n * heads; ++u) head_cost[u + 1] = head_cost[u] + (u % heads < n_kv ? 4 : 1);
-  // Attention's rows into att [n, q_dim], quantized there when a head's columns are whole quantization blocks.
-  const bool quantize_heads = D % kBlock == 0 && quantized(Ls[1].fmt);
+  // Attention's rows go into att [n, q_dim], quantized there when a head's columns are whole quantization blocks.
+  constexpr bool whole_blocks = D % kBlock == 0;
   const int threads = at::get_num_threads();
   // One region for the whole stack: every thread takes its part of each phase and they meet at a barrier after it.
   // The per-row glue is cut into (token, 32 columns) pieces, so a one-token step shares it too; a row's norm needs
@@ -1815,12 +1815,13 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
                     }
                   }
                 });
+      const bool quantize_att = quantized(L[1].fmt);
       attention.run(kp, kh, ks, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
         float* a = &att[i * q_dim + hq * D];
         for (int64_t j = 0; j < D; ++j) a[j] = store(o[j], bf16);
-        if (quantize_heads) quantize_columns(att.data(), i, hq * D, (hq + 1) * D, xq[1]);
+        if (quantize_att && whole_blocks) quantize_columns(att.data(), i, hq * D, (hq + 1) * D, xq[1]);
       }, &team);
-      if (quantized(L[1].fmt) && !quantize_heads)
+      if (quantize_att && !whole_blocks)
         pieces(q_dim, [&](int64_t i, int64_t c0, int64_t c1) { quantize_columns(att.data(), i, c0, c1, xq[1]); });
       linear_into(L[1], att.data(), n, xp, bf16, &team, &xq[1], true);
       norm(norm_w[l * 2 + 1], L[2], xq[2]);
