@@ -83,11 +83,14 @@ class LiveCache:
     # Compare
     compare_id: int | None = None
     compare_runs: dict[str, StepBuckets] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # An attribute, not a field: Gradio turns a State's dataclass value into a dict of its fields for the page's
+        # config, and a lock cannot be copied.
+        self.lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> "LiveCache":
-        # gr.State deep-copies its initial value per session; a lock cannot be copied, and the initial cache is
-        # always empty anyway.
+        # gr.State deep-copies its initial value per session; the initial cache is always empty.
         return LiveCache()
 
     def due(self, part: str, key: Any, now: float, resend: bool = True) -> bool:

@@ -702,8 +702,11 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
     h = Handlers(ctx)
     story = story_ui.StoryHandlers(h)
     with gr.Blocks(title="TokenSwift Studio", fill_width=True, analytics_enabled=False) as demo:
-        view = gr.State(lambda: View())  # a callable: a fresh value per session
-        cache = gr.State(lambda: LiveCache())
+        # Plain values, copied for each session on its first event. A callable would make Gradio add a page-load
+        # event that sets the state, racing the page-load handler: on a busy server it could replace the View that
+        # handler had just given its writer, and the session's next click would not know who it is.
+        view = gr.State(View())
+        cache = gr.State(LiveCache())
         remembered = gr.BrowserState({"project_id": None, "chapter_id": None, "compare_id": None},
                                      storage_key=BROWSER_KEY, secret="tokenswift-studio")
         # The writer's key (multi-user studios): made on the first visit, kept by this browser (app.identity).

@@ -24,10 +24,40 @@ def shared(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
         yield s
 
 
+# Every message the page shows, kept as it appears: an error's message leaves the page after a few seconds.
+RECORD_TOASTS_JS = """
+window.__toasts = [];
+new MutationObserver(() => {
+  for (const t of document.querySelectorAll('.toast-body')) {
+    if (!t.__seen) { t.__seen = true; window.__toasts.push(`${(performance.now() / 1000).toFixed(1)} s: ${t.innerText}`); }
+  }
+}).observe(document, {childList: true, subtree: true});
+"""
+CREATE_FN_JS = "(window.gradio_config?.dependencies || []).findIndex(d => d.api_name === 'create_project')"
+
+
+def watch(page, server) -> None:
+    """Keep what the page asked of the queue (all but the 1 s poll, fn 0) and its errors, for a failure's report."""
+    page.server, page.traffic = server, []
+
+    def answered(response) -> None:
+        if "/queue/join" in response.url:
+            fn = response.request.post_data_json.get("fn_index")
+            if fn != 0:
+                page.traffic.append(f"{response.status} fn {fn}")
+
+    page.on("response", answered)
+    page.on("pageerror", lambda e: page.traffic.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: "/queue/data" not in r.url and page.traffic.append(
+        f"failed: {r.method} {r.url} {r.failure}"))
+
+
 def writer(chromium, server, name: str):
     context = chromium.new_context(viewport={"width": 1400, "height": 900})
+    context.add_init_script(RECORD_TOASTS_JS)
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
+    watch(page, server)
     page.goto(server.url)
     # The page-load handler has run (it knows the writer, and has opened the new-project form for a new one).
     expect(page.locator("#identity")).to_contain_text("private to this browser", timeout=TIMEOUT_MS)
@@ -42,12 +72,13 @@ def create(page, title: str) -> None:
     page.locator("#create-project").click()
     try:
         expect(page.locator("#project-picker input")).to_have_value(f"{title} (novel)", timeout=TIMEOUT_MS)
-    except AssertionError as failed:  # what the page showed, for a failure seen once in CI and not reproduced
+    except AssertionError as failed:  # what the page showed and asked, for a failure seen in CI and not reproduced
         SHOTS.mkdir(parents=True, exist_ok=True)
         shot(page, "create-failed")
-        shown = page.locator(".toast-body").all_inner_texts()
-        raise AssertionError(f"{failed}\ntitle field: {field.input_value()!r}; messages shown: {shown}; "
-                             f"screenshot: {SHOTS / 'create-failed.png'}") from None
+        raise AssertionError(
+            f"{failed}\ntitle field: {field.input_value()!r}; messages shown: {page.evaluate('window.__toasts')}; "
+            f"queue requests (create_project is fn {page.evaluate(CREATE_FN_JS)}): {page.traffic[-20:]}; "
+            f"screenshot: {SHOTS / 'create-failed.png'}\nserver log:\n{page.server.log()}") from None
 
 
 def open_options(page, picker: str) -> list:

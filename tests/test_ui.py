@@ -68,6 +68,24 @@ def test_blocks_build_with_named_api():
         assert f"/{name}" in names, name
 
 
+def test_the_page_load_handler_is_the_only_page_load_event():
+    """A session's View is set by nothing but the handlers' own mutations: no page-load event of Gradio's replaces
+    it (one races the page-load handler, which then gives its writer to a View the session no longer holds), and
+    each session gets its own copy."""
+    with storage.open_database(":memory:") as db:
+        demo = build_ui(StudioContext(db=db, model=MODEL))
+    loads = [fn.api_name for fn in demo.fns.values() if any(t[1] == "load" for t in fn.targets)]
+    assert loads == ["load"]
+    from gradio.state_holder import SessionState
+    states = [b for b in demo.blocks.values() if isinstance(b, gr.State)]
+    first, second = SessionState(demo), SessionState(demo)
+    for state in states:
+        assert first[state._id] is first[state._id]
+        assert first[state._id] is not second[state._id]
+    views = [first[s._id] for s in states if isinstance(first[s._id], View)]
+    assert len(views) == 1 and views[0] == View()
+
+
 def test_the_tab_polls_run_only_while_their_tab_is_open():
     """Every poll is a round trip the page's scripts handle, beside the model on a small machine: the Compare and
     Story bible tabs' polls have their own timers, off until that tab is selected, on while it is, off again when
