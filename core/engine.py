@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from core.generation.decoding import Generation, GenerationConfig, Step, StepFunction, vanilla_steps
+from core.generation.sampling import Sampler
 from core.runtime.compiled import CompiledRunner
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.runtime.loading import LoadedModel, load_model, release_freed_memory, resolve
@@ -173,14 +174,17 @@ class Engine:
         logits, hidden = self.model(tokens, positions, cache, block_mask)
         return logits, hidden, None
 
-    def root_step(self, h0: Tensor, roots: Tensor) -> tuple[Tensor, Tensor]:
-        """The root head's state and logits (DraftHeads.root_step), through its compiled graph when there is one."""
-        if self.runner is not None:
-            out = self.runner.side_step(h0, roots)
-            if out is not None:
-                return out
+    def root_draft(self, h0: Tensor, token: int, sampler: Sampler, k: int,
+                   position: int) -> tuple[Tensor, list[int], list[float]]:
+        """One drafted level of the root head (DraftHeads.root_draft), its step through its compiled graph when there
+        is one."""
         assert self.heads is not None
-        return self.heads.root_step(h0, roots, self.model)
+        if self.runner is not None:
+            out = self.runner.side_step(h0, torch.tensor([token], device=h0.device))
+            if out is not None:
+                ids, p = sampler.rank_drafts(out[1], k, position, self.heads.root_ids)
+                return out[0], ids.tolist()[0], p.tolist()[0]
+        return self.heads.root_draft(h0, token, self.model, sampler, k, position)
 
     def notice(self, message: str) -> None:
         """Something the user should be told once (the CLI prints them, the worker shows them in the header)."""

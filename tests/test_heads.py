@@ -157,3 +157,26 @@ def test_the_kernels_root_step_computes_the_root_heads_modules(fmt: str) -> None
     assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-5)
     assert torch.equal(logits.topk(3).indices, want_logits.topk(3).indices)
     assert not torch.equal(state, h)  # the head moved the state: its matrices took part
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=0.0),
+                                      SamplingSettings(temperature=1.0, top_p=1.0, min_p=0.1, top_k=9)])
+def test_a_root_heads_drafted_level_is_its_step_then_the_samplers_ranking(settings: SamplingSettings) -> None:
+    """root_draft does in one kernel call what root_step then Sampler.rank_drafts do: the same state, the same
+    drafts in the same order, the same chances; a banned id is never drafted."""
+    model = tiny(4)
+    heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
+    for p in heads.root.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
+    assert model.to_native("q8_0")
+    heads.to_native("q8_0", "q4_1")
+    h = torch.randn(1, 64)
+    state, logits = heads.root_step(h, torch.tensor([9]), model)
+    banned = int(logits[0].argmax()) * 2  # the root head's top token: its column j scores token 2j
+    sampler = Sampler(settings, 128, banned=(banned,))
+    for position in (5, 6, 700):
+        want_ids, want_p = sampler.rank_drafts(logits, 6, position, heads.root_ids)
+        got_state, ids, p = heads.root_draft(h, 9, model, sampler, 6, position)
+        assert torch.equal(got_state, state)
+        assert ids == want_ids.tolist()[0] and p == want_p.tolist()[0]
+        assert banned not in ids and len(set(ids)) == 6

@@ -221,6 +221,12 @@ class Sampler:
                                        s.min_p, keys, k)
         return ranked, p
 
+    def ranking(self, position: int) -> tuple[Tensor, float, float, int, float, int]:
+        """How the kernels rank drafts for sequence `position` (kernels/cpu.cpp: rank_row): the banned ids, the
+        draw's filters and the position's noise key, as `rank_drafts` passes them."""
+        s = self.s
+        return self._banned_ids, s.temperature, s.top_p, s.top_k, s.min_p, _mix(s.seed, position)
+
     def _without_banned(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
         """An fp32 copy of logits [rows, V'] with the banned ids at -inf; column j scores token ids[j] (None or
         empty: token j)."""

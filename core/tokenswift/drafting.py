@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
 from core.generation.decoding import Decoder, Generation
-from core.generation.sampling import rank_drafts
+from core.generation.sampling import Sampler, rank_drafts
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.tokenswift.calibration import DraftCalibrator, Proposal
 from core.tokenswift.ngram import NGramTable
@@ -33,8 +32,9 @@ class TokenSwiftEngine(Decoder, Protocol):
                            block_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """`forward` of all rows, plus the heads' logits [n_heads, n, V'] where the forward computed them."""
 
-    def root_step(self, h0: Tensor, roots: Tensor) -> tuple[Tensor, Tensor]:
-        """The root head's state and logits (DraftHeads.root_step)."""
+    def root_draft(self, h0: Tensor, token: int, sampler: Sampler, k: int,
+                   position: int) -> tuple[Tensor, list[int], list[float]]:
+        """One drafted level of the root head: its state and its k drafts with their chances (DraftHeads.root_draft)."""
 
     def notice(self, message: str) -> None:
         """Tell the user `message`, once."""
@@ -104,7 +104,7 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
         return candidates
     if plan.root_drafting:
         # the root head predicts head 1's token knowing the token before it: nearly twice as often right. A chained
-        # one then reads its own state back with its top draft, a level deeper each time (heads.root_step). In fused
+        # one then reads its own state back with its top draft, a level deeper each time (heads.root_draft). In fused
         # mode it reads the state before the root with the root; in separate mode the root's own state (the draft
         # pass's) with the backbone's top draft, so it drafts from the second level on
         state, token, chance = h_last[None], root, 1.0
@@ -115,9 +115,8 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
         for level in range(first, min(depth, first + heads.root_chain)):
             if chance < (opt.min_draft_score or 0.0):
                 break
-            state, logits = engine.root_step(state, torch.tensor([token], device=device))
-            ids, p = sampler.rank_drafts(logits, opt.head_topk, root_pos + 1 + level, heads.root_ids)
-            candidates.append(list(zip(ids.tolist()[0], p.tolist()[0])))
+            state, ids, p = engine.root_draft(state, token, sampler, opt.head_topk, root_pos + 1 + level)
+            candidates.append(list(zip(ids, p)))
             token, top = candidates[-1][0]
             chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top
         if plan.chained_drafting:  # its levels only: heads that know neither token above add nothing worth it

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from core.generation.sampling import rank_drafts
+from core.generation.sampling import Sampler, rank_drafts
 from core.runtime.kernels import cpu
 from core.runtime.model import ModelConfig, NativeEmbedding, RMSNorm, Transformer
 from core.runtime.skeleton import skeleton
@@ -75,7 +75,7 @@ class DraftHeads(nn.Module):
         # "lm" / "root_lm": the model and the lm_head rows each scores there, a layer (native) or a weight [V', hidden]
         self._scorers: dict[str, tuple[Transformer, NativeLinear | Tensor]] = {}
         self.root_format: str | None = None  # the root head's own format on the kernels, if not its model's (to_native)
-        self._root_args: tuple[NativeLinear, list[Tensor], list[Tensor], list[int]] | None = None  # (root_step)
+        self._root_args: tuple[NativeLinear, tuple] | None = None  # (the rows scored, _native_root_args)
 
     @classmethod
     def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None,
@@ -155,20 +155,38 @@ class DraftHeads(nn.Module):
         """The root head's pre-norm state [n, hidden] and its logits [n, len(root_ids)]. A chained root head
         (`root_chain` > 1) reads that state back with the token drafted from the logits, one level deeper."""
         assert self.root is not None, "these heads have no root head"
-        root, rows = self.root, self.scorer(model, "root_lm")
-        native = cpu.kernel() if isinstance(root.up, NativeLinear) and isinstance(rows, NativeLinear) else None
-        if (native is not None and isinstance(model.embed, NativeEmbedding) and not model.bf16_activations
-                and not rows.bf16_out):  # one call of the kernels, the roots' embeddings looked up there too
-            if self._root_args is None or self._root_args[0] is not rows:  # listed once: it runs every level
-                lin, meta = NativeLinear.listed((root.up, root.down, rows))
-                code, data, d, m, bias, n = model.embed.table.kernel_args()
-                lin, meta = lin + [data, d, m, bias], meta + [code, n]
-                self._root_args = (rows, [root.norm_h.weight, root.norm_e.weight, root.norm_out.weight], lin, meta)
-            _, norms, lin, meta = self._root_args
-            state, logits = native.root_step(h0, roots, norms, root.norm_h.eps, lin, meta)
-            return state, logits
-        state = root(h0, model.embed(roots))
-        return state, self._score(root.norm_out(state), rows)
+        args = self._native_root_args(model)
+        if args is not None:  # one call of the kernels, the roots' embeddings looked up there too
+            return cpu.kernel().root_step(h0, roots, *args)
+        state = self.root(h0, model.embed(roots))
+        return state, self._score(self.root.norm_out(state), self.scorer(model, "root_lm"))
+
+    def root_draft(self, h0: Tensor, token: int, model: Transformer, sampler: Sampler, k: int,
+                   position: int) -> tuple[Tensor, list[int], list[float]]:
+        """One drafted level: the root head's state [1, hidden] after h0 [1, hidden] and `token`, and its k most
+        likely drafts for sequence `position` with their chances, ranked as the draw will draw there
+        (Sampler.rank_drafts). On the kernels one call does both."""
+        assert self.root is not None, "these heads have no root head"
+        args = self._native_root_args(model)
+        if args is not None:
+            return cpu.kernel().root_draft(h0, token, *args, self.root_ids, *sampler.ranking(position), k)
+        state, logits = self.root_step(h0, torch.tensor([token], device=h0.device), model)
+        ids, p = sampler.rank_drafts(logits, k, position, self.root_ids)
+        return state, ids.tolist()[0], p.tolist()[0]
+
+    def _native_root_args(self, model: Transformer) -> tuple | None:
+        """The root head's weights as the kernels' root_step takes them after (h0, roots), listed once (it runs
+        every drafted level); None where the root head does not run on the kernels."""
+        rows = self.scorer(model, "root_lm")
+        if not (isinstance(self.root.up, NativeLinear) and isinstance(rows, NativeLinear) and cpu.kernel() is not None
+                and isinstance(model.embed, NativeEmbedding) and not model.bf16_activations and not rows.bf16_out):
+            return None
+        if self._root_args is None or self._root_args[0] is not rows:
+            lin, meta = NativeLinear.listed((self.root.up, self.root.down, rows))
+            code, data, d, m, bias, n = model.embed.table.kernel_args()
+            norms = [self.root.norm_h.weight, self.root.norm_e.weight, self.root.norm_out.weight]
+            self._root_args = (rows, (norms, self.root.norm_h.eps, lin + [data, d, m, bias], meta + [code, n]))
+        return self._root_args[1]
 
     @staticmethod
     def _score(states: Tensor, rows: NativeLinear | Tensor) -> Tensor:

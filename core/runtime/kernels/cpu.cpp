@@ -30,8 +30,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -1518,10 +1520,45 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
   return best;
 }
 
-// Drafts ranked as they will be drawn: per row of a drafter's logits over token ids `ids` (empty: column j is token
-// j), banned ids out, then (temperature 0) the softmax of the raw scores, or the draw's filters and each surviving
-// token's Gumbel noise at the row's position (keys[r]) before the softmax; the k most likely columns' token ids and
-// probabilities, most likely first (ties by column). A row the filters emptied proposes its first k columns at 0.
+// Drafts ranked as they will be drawn, for one row of a drafter's logits v [n] over token ids `idp` (null: column j
+// is token j), in place: banned ids (sorted) out, then (temperature 0) the softmax of the raw scores, or the draw's
+// filters and each surviving token's Gumbel noise at the row's position (`key`) before the softmax; the k most
+// likely columns' token ids and probabilities into ids / p, most likely first (ties by column). A row the filters
+// emptied proposes its first k columns at 0.
+void rank_row(float* v, int64_t n, const int64_t* idp, const std::vector<int64_t>& ban, double temperature,
+              double top_p, int64_t top_k, double min_p, uint64_t key, int64_t k, int64_t* ids, float* p) {
+  auto token = [&](int64_t j) { return idp ? idp[j] : j; };
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j)
+    if (std::binary_search(ban.begin(), ban.end(), token(j))) v[j] = ninf;
+  if (temperature != 0.0) {
+    filter_scores(v, n, temperature, top_p, top_k, min_p);
+    for_each_finite(v, n, [&](int64_t j) { v[j] += gumbel(key, token(j)); });
+  }
+  const float m = max_of(v, n);
+  double sum = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    v[j] = m == ninf ? 0.0f : std::exp(v[j] - m);  // exp(-inf) = 0: a filtered column
+    sum += v[j];
+  }
+  std::vector<int64_t> order(n);
+  for (int64_t j = 0; j < n; ++j) order[j] = j;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+  for (int64_t i = 0; i < k; ++i) {
+    ids[i] = token(order[i]);
+    p[i] = sum > 0.0 ? static_cast<float>(v[order[i]] / sum) : 0.0f;
+  }
+}
+
+std::vector<int64_t> sorted_ids(const torch::Tensor& ids) {
+  auto c = ids.contiguous();
+  std::vector<int64_t> out(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// rank_row for each row of logits [rows, V], row r at noise key keys[r]: token ids and probabilities [rows, k] each.
 std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, torch::Tensor banned,
                                        double temperature, double top_p, int64_t top_k, double min_p,
                                        std::vector<int64_t> keys, int64_t k) {
@@ -1531,41 +1568,16 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
   k = std::min(k, n);
   auto ic = ids.contiguous();
   TORCH_CHECK(ic.numel() == 0 || ic.numel() == n, "rank_drafts: ids must be empty or one per column");
-  const int64_t* idp = ic.numel() ? ic.data_ptr<int64_t>() : nullptr;
-  auto token = [&](int64_t j) { return idp ? idp[j] : j; };
-  auto bc = banned.contiguous();
-  std::vector<int64_t> ban(bc.data_ptr<int64_t>(), bc.data_ptr<int64_t>() + bc.numel());
-  std::sort(ban.begin(), ban.end());
+  const std::vector<int64_t> ban = sorted_ids(banned);
   TORCH_CHECK(temperature == 0.0 || static_cast<int64_t>(keys.size()) == rows, "rank_drafts: one noise key per row");
   auto out_ids = torch::empty({rows, k}, torch::kLong);
   auto out_p = torch::empty({rows, k}, torch::kFloat);
-  int64_t* oi = out_ids.data_ptr<int64_t>();
-  float* op = out_p.data_ptr<float>();
-  const float ninf = -std::numeric_limits<float>::infinity();
   std::vector<float> v(n);
-  std::vector<int64_t> order(n);
   for (int64_t r = 0; r < rows; ++r) {
     std::copy(lc.data_ptr<float>() + r * n, lc.data_ptr<float>() + (r + 1) * n, v.begin());
-    for (int64_t j = 0; j < n; ++j)
-      if (std::binary_search(ban.begin(), ban.end(), token(j))) v[j] = ninf;
-    if (temperature != 0.0) {
-      filter_scores(v.data(), n, temperature, top_p, top_k, min_p);
-      const uint64_t key = static_cast<uint64_t>(keys[r]);
-      for_each_finite(v.data(), n, [&](int64_t j) { v[j] += gumbel(key, token(j)); });
-    }
-    const float m = max_of(v.data(), n);
-    double sum = 0.0;
-    for (float& x : v) {
-      x = m == ninf ? 0.0f : std::exp(x - m);  // exp(-inf) = 0: a filtered column
-      sum += x;
-    }
-    for (int64_t j = 0; j < n; ++j) order[j] = j;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
-    for (int64_t i = 0; i < k; ++i) {
-      oi[r * k + i] = token(order[i]);
-      op[r * k + i] = sum > 0.0 ? static_cast<float>(v[order[i]] / sum) : 0.0f;
-    }
+    rank_row(v.data(), n, ic.numel() ? ic.data_ptr<int64_t>() : nullptr, ban, temperature, top_p, top_k, min_p,
+             temperature != 0.0 ? static_cast<uint64_t>(keys[r]) : 0, k, out_ids.data_ptr<int64_t>() + r * k,
+             out_p.data_ptr<float>() + r * k);
   }
   return {out_ids, out_p};
 }
@@ -1623,8 +1635,9 @@ torch::Tensor embed_rows(torch::Tensor ids, int64_t fmt, torch::Tensor a, torch:
 // table as (packed, scales, mins, bias) each, `meta` their (format, outputs). One call for what is otherwise a dozen
 // operators per drafted level, each paying for caches a forward has just emptied; its drafts only choose what is
 // verified, never a token.
-std::vector<torch::Tensor> root_step(torch::Tensor h0, torch::Tensor roots, std::vector<torch::Tensor> norms,
-                                     double eps, std::vector<torch::Tensor> lin, std::vector<int64_t> meta) {
+std::vector<torch::Tensor> root_step_of(const torch::Tensor& h0, const torch::Tensor& roots,
+                                        const std::vector<torch::Tensor>& norms, double eps,
+                                        const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta) {
   TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat, "root_step: h0 float32 [R, H]");
   TORCH_CHECK(roots.numel() == h0.size(0), "root_step: one root per row of h0");
   TORCH_CHECK(norms.size() == 3 && lin.size() == 16 && meta.size() == 8,
@@ -1656,6 +1669,31 @@ std::vector<torch::Tensor> root_step(torch::Tensor h0, torch::Tensor roots, std:
   auto logits = torch::empty({R, scorer.n}, torch::kFloat);
   linear_into(scorer, normed.data(), R, logits.data_ptr<float>(), false);
   return {state, logits};
+}
+
+std::vector<torch::Tensor> root_step(torch::Tensor h0, torch::Tensor roots, std::vector<torch::Tensor> norms,
+                                     double eps, std::vector<torch::Tensor> lin, std::vector<int64_t> meta) {
+  return root_step_of(h0, roots, norms, eps, lin, meta);
+}
+
+// One drafted level of the root head: root_step of one row h0 [1, H] and `token`, then rank_row of its logits over
+// the scored token ids `ids` at noise key `key`. Returns the state [1, H] and the k drafts' ids and probabilities as
+// lists: the same floats as root_step then rank_drafts, in one call between two forwards instead of a dozen.
+std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> root_draft(
+    torch::Tensor h0, int64_t token, std::vector<torch::Tensor> norms, double eps, std::vector<torch::Tensor> lin,
+    std::vector<int64_t> meta, torch::Tensor ids, torch::Tensor banned, double temperature, double top_p,
+    int64_t top_k, double min_p, int64_t key, int64_t k) {
+  TORCH_CHECK(h0.size(0) == 1, "root_draft: one row");
+  const auto out = root_step_of(h0, torch::full({1}, token, torch::kLong), norms, eps, lin, meta);
+  const int64_t n = out[1].size(1);
+  k = std::min(k, n);
+  auto ic = ids.contiguous();
+  TORCH_CHECK(ic.numel() == 0 || ic.numel() == n, "root_draft: ids must be empty or one per column");
+  std::vector<int64_t> drafted(k);
+  std::vector<float> p(k);
+  rank_row(out[1].data_ptr<float>(), n, ic.numel() ? ic.data_ptr<int64_t>() : nullptr, sorted_ids(banned),
+           temperature, top_p, top_k, min_p, static_cast<uint64_t>(key), k, drafted.data(), p.data());
+  return {out[0], drafted, std::vector<double>(p.begin(), p.end())};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1898,4 +1936,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
   m.def("embed_rows", &embed_rows, "rows of a packed weight as fp32");
   m.def("root_step", &root_step, "the root head's state and logits");
+  m.def("root_draft", &root_draft, "one drafted level of the root head: its state and its k drafts, ranked");
 }
