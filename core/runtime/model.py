@@ -270,7 +270,7 @@ class Transformer(nn.Module):
         self.native = False  # set by to_native
         self.bf16_activations = False  # a native model rounding its activations to bf16 (to_native)
         self.kv_dtype: torch.dtype | None = None  # the KV cache's dtype if set (else cache_dtype's default)
-        self._native_args: tuple[list[Tensor], list[Tensor], list[int]] | None = None  # the stack's weights, listed
+        self._native_args: tuple | None = None  # the stack's weights and embedding table, listed (_native_stack)
 
     @property
     def device(self) -> torch.device:
@@ -332,12 +332,15 @@ class Transformer(nn.Module):
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin rows [n, head_dim] of the rotary embedding at these positions, from a table computed once
         (grown as positions grow): a position's row is the same floats in every forward."""
-        top = int(positions.max()) + 1
-        have = 0 if self._rope_table is None else self._rope_table[0].shape[0]
-        if have < top:
-            self._rope_table = self._rope_rows(have, max(top, 2 * have, 4096))
-        cos, sin = self._rope_table
+        cos, sin = self.rope_table(int(positions.max()) + 1)
         return cos[positions], sin[positions]
+
+    def rope_table(self, rows: int) -> tuple[Tensor, Tensor]:
+        """The cos and sin tables [>= rows, head_dim], grown to cover `rows` positions."""
+        have = 0 if self._rope_table is None else self._rope_table[0].shape[0]
+        if have < rows:
+            self._rope_table = self._rope_rows(have, max(rows, 2 * have, 4096))
+        return self._rope_table
 
     def _rope_rows(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         """The table up to `end`: rows from `start` on computed, the ones before kept as they are."""
@@ -372,10 +375,10 @@ class Transformer(nn.Module):
         """
         n = tokens.shape[0]
         cache.begin(n)
+        if self.native and isinstance(cache, KVCache):
+            return self._native_stack(tokens, positions, cache, block_mask)[0]
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
-        if self.native and isinstance(cache, KVCache):
-            return self._native_stack(x, cos, sin, cache, block_mask)
         seen = Visibility(cache.visible_past(), block_mask, self.cfg.sliding_window)
         if not native_attention(x.new_empty(1, 1, self.cfg.head_dim), cache.k[0]):  # PyTorch's attention: a mask
             seen.bias = self.attention_bias(cache, n, block_mask, positions)
@@ -383,22 +386,39 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache, i, seen)
         return x
 
-    def _native_stack(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, block_mask: Tensor | None) -> Tensor:
+    def _native_stack(self, tokens: Tensor, positions: Tensor, cache: KVCache, block_mask: Tensor | None,
+                      logits_from: int | None = None) -> list[Tensor]:
         """The decoder stack in one call of our CPU kernels (kernels/cpu.cpp: decoder), keys and values written into
-        the cache at its committed length; in bf16 mode rounding as a bf16 model does."""
+        the cache at its committed length; in bf16 mode rounding as a bf16 model does. The kernel looks up the
+        tokens' embeddings in a packed table and their rotary rows by position itself, and with `logits_from` it
+        also takes the final norm and the lm_head of the rows from there on: a forward calls no operator around it.
+        Returns [hidden states] or [hidden states, logits]."""
         cfg = self.cfg
         if self._native_args is None:
             norms = [w.contiguous() for block in self.layers for w in (block.attn_norm.weight, block.mlp_norm.weight)]
             lin, meta = NativeLinear.listed(
                 layer for block in self.layers for layer in (block.wqkv, block.wo, block.w_gate_up, block.w_down))
-            self._native_args = (norms, lin, meta)
-        norms, lin, meta = self._native_args
-        visible = block_mask.contiguous() if block_mask is not None else x.new_empty(0, dtype=torch.bool)
-        x = x.float().contiguous()
-        cpu.kernel().decoder(x, cos, sin, cache.k.transpose(2, 3), cache.v, cache.length, visible,
-                             cfg.sliding_window or 0, norms, lin, meta, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             cfg.rms_eps, cfg.head_dim**-0.5, self.bf16_activations)
-        return x
+            table: tuple[list[Tensor], list[int]] = ([], [])
+            if isinstance(self.embed, NativeEmbedding):
+                code, data, d, m, _, n = self.embed.table.kernel_args()
+                table = ([data, d, m], [code, n])
+            head, head_meta = NativeLinear.listed([self.lm_head]) if isinstance(self.lm_head, NativeLinear) else ([], [])
+            none = tuple(torch.empty(0, dtype=t) for t in (torch.float32, torch.long, torch.bool))
+            self._native_args = (norms, lin, meta, table, (head, head_meta), none)
+        norms, lin, meta, table, (head, head_meta), (no_x, no_tokens, no_mask) = self._native_args
+        if table[0]:
+            x, ids = no_x, tokens
+        else:
+            x, ids = self.embed(tokens).float().contiguous(), no_tokens
+        visible = block_mask.contiguous() if block_mask is not None else no_mask
+        cos, sin = self.rope_table(cache.k.shape[2])  # a row for every position the cache holds
+        if logits_from is None or not head:
+            head, head_meta, logits_from = [], [], 0
+        return cpu.kernel().decoder(x, ids, *table, cos, sin, positions, cache.k.transpose(2, 3), cache.v,
+                                    cache.length, visible, cfg.sliding_window or 0, norms, lin, meta, cfg.n_heads,
+                                    cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps, cfg.head_dim**-0.5,
+                                    self.bf16_activations, head, head_meta, self.norm.weight, logits_from,
+                                    bool(head) and self.lm_head.bf16_out)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Next-token logits (fp32) from pre-final-norm hidden states. A native model takes the final norm on the
@@ -415,6 +435,12 @@ class Transformer(nn.Module):
         logits_rows: Tensor | slice | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Hidden states of all new tokens and the logits of `logits_rows` (default: all rows)."""
+        n = tokens.shape[0]
+        first = 0 if logits_rows is None else (n - 1 if logits_rows == slice(-1, None) else None)
+        if self.native and isinstance(cache, KVCache) and first is not None and isinstance(self.lm_head, NativeLinear):
+            cache.begin(n)
+            h, logits = self._native_stack(tokens, positions, cache, block_mask, first)
+            return logits, h
         h = self.hidden(tokens, positions, cache, block_mask)
         rows = h if logits_rows is None else h[logits_rows]
         return self.logits(rows), h

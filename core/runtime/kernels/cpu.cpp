@@ -1753,10 +1753,11 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // n) per linear layer, four linear layers per layer (qkv, o, gate/up, down). With `bf16` the stack rounds to bf16
 // where a bf16 model does (round_bf16), x, cos and sin holding bf16 values.
 template <int D, typename E>
-void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
-                int64_t past, torch::Tensor vis, int64_t window, const std::vector<torch::Tensor>& norms,
+void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int64_t* pos, torch::Tensor kc,
+                torch::Tensor vc, int64_t past, torch::Tensor vis, int64_t window, const std::vector<torch::Tensor>& norms,
                 const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta, int64_t n_heads, int64_t n_kv,
-                double eps, double scale, bool bf16) {
+                double eps, double scale, bool bf16, const Linear* head, const float* final_w, int64_t first,
+                bool head_bf16, float* logits) {
   const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
   const int64_t G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D, ld = q_dim + 2 * kv_dim;
   TORCH_CHECK(static_cast<int64_t>(lin.size()) == layers * 16 && static_cast<int64_t>(meta.size()) == layers * 8,
@@ -1791,8 +1792,9 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
   float* xp = x.data_ptr<float>();
   std::vector<float> h(n * H), qkv(n * ld), att(n * q_dim), gu(n * 2 * inter), act(n * inter);
   Attention<D, E> attention(n_kv, G, n, past, anc, window, static_cast<float>(scale), !bf16);
-  QuantRows xq[4];  // each linear layer's input, quantized
+  QuantRows xq[5];  // each linear layer's input, quantized, and the lm_head's
   for (int j = 0; j < 4; ++j) xq[j].size_for(n, Ls[j].k);
+  if (head != nullptr) xq[4].size_for(n - first, H);
   const float ep = static_cast<float>(eps);
   // A head's rotary embedding and what follows it (a key head's key and value into the cache; a query head's scaled
   // query), per token: the KV heads first, then the query heads. A key head writes a cache line per dimension.
@@ -1811,13 +1813,13 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
     const Team team = Team::current();
     // f(i, c0, c1) for the columns [c0, c1) of token i in this thread's part of n rows of `width` columns (pieces of
     // kBlock columns: a piece quantized is a whole block).
-    auto pieces = [&](int64_t width, auto f) {
+    auto pieces = [&](int64_t width, auto f, int64_t from = 0) {  // (rows from `from` on)
       const int64_t per = (width + kBlock - 1) / kBlock;
-      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part(n * per, part, parts); },
+      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part((n - from) * per, part, parts); },
                 [&](int64_t u0, int64_t u1) {
                   for (int64_t i = u0 / per; i * per < u1; ++i) {
                     const int64_t b0 = std::max(u0, i * per) - i * per, b1 = std::min(u1, (i + 1) * per) - i * per;
-                    f(i, b0 * kBlock, std::min(b1 * kBlock, width));
+                    f(from + i, b0 * kBlock, std::min(b1 * kBlock, width));
                   }
                 });
     };
@@ -1840,13 +1842,13 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
                     float* row = qkv.data() + i * ld;
                     if (hd >= n_kv) {
                       const int64_t hq = hd - n_kv;
-                      rope_head(row + hq * D, D, cp + i * D, sp + i * D, bf16);
+                      rope_head(row + hq * D, D, cp + pos[i] * D, sp + pos[i] * D, bf16);
                       attention.query(hq, i, row + hq * D);
                       continue;
                     }
                     float* k = row + q_dim + hd * D;
                     const float* v = row + q_dim + kv_dim + hd * D;
-                    rope_head(k, D, cp + i * D, sp + i * D, bf16);
+                    rope_head(k, D, cp + pos[i] * D, sp + pos[i] * D, bf16);
                     for (int64_t j = 0; j < D; ++j) {
                       put(&kp[hd * kh + j * ks + past + i], k[j]);
                       put(&vp[hd * vh + (past + i) * D + j], v[j]);
@@ -1870,21 +1872,67 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
       });
       linear_into(L[3], act.data(), n, xp, bf16, &team, &xq[3], true);
     }
+    if (head != nullptr) {  // the final norm and the lm_head, of the rows from `first` on
+      float* normed = h.data() + first * H;
+      pieces(H, [&](int64_t i, int64_t c0, int64_t c1) {
+        rms_norm_columns(xp + i * H, final_w, H, ep, c0, c1, h.data() + i * H, bf16);
+        if (quantized(head->fmt)) quantize_columns(normed, i - first, c0, c1, xq[4]);
+      }, first);
+      linear_into(*head, normed, n - first, logits, head_bf16, &team, &xq[4]);
+    }
   }
 }
 
-torch::Tensor decoder(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc,
-                      int64_t past, torch::Tensor vis, int64_t window, std::vector<torch::Tensor> norms,
-                      std::vector<torch::Tensor> lin, std::vector<int64_t> meta, int64_t n_heads, int64_t n_kv,
-                      int64_t head_dim, double eps, double scale, bool bf16) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decoder: x float32 [n, hidden]");
+// The decoder stack over n new tokens: their embeddings, looked up here in the packed `table` (its tensors and its
+// (format, rows)) when `tokens` holds their ids, else given as x [n, hidden]; each token's rotary rows are rows
+// positions[i] of the tables cos and sin [P, head_dim]. Returns the hidden states [n, hidden] (x, where given) and,
+// with `head` (the lm_head as (packed, scales, mins, bias), `head_meta` its (format, outputs)), the logits [n - first,
+// outputs] of the rows from `first` on: the final norm (weights `final_norm`) and the lm_head in the same threads.
+std::vector<torch::Tensor> decoder(torch::Tensor x, torch::Tensor tokens, std::vector<torch::Tensor> table,
+                                   std::vector<int64_t> table_meta, torch::Tensor cos, torch::Tensor sin,
+                                   torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, int64_t past,
+                                   torch::Tensor vis, int64_t window, std::vector<torch::Tensor> norms,
+                                   std::vector<torch::Tensor> lin, std::vector<int64_t> meta, int64_t n_heads,
+                                   int64_t n_kv, int64_t head_dim, double eps, double scale, bool bf16,
+                                   std::vector<torch::Tensor> head, std::vector<int64_t> head_meta,
+                                   torch::Tensor final_norm, int64_t first, bool head_bf16) {
+  TORCH_CHECK(!norms.empty(), "decoder: no layers");
+  const int64_t H = norms[0].numel();
+  if (tokens.numel() > 0) {
+    TORCH_CHECK(table.size() == 3 && table_meta.size() == 2, "decoder: the table as (packed, scales, mins)");
+    const Linear L = linear_from(table_meta[0], table[0], table[1], table[2], torch::Tensor(), table_meta[1], H);
+    x = embed_of(L, tokens.reshape(-1), "decoder");
+  }
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == H,
+              "decoder: x float32 [n, hidden]");
+  const int64_t n = x.size(0);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == n, "decoder: one position a token");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "decoder: rotary tables [P, D]");
+  auto pc = positions.contiguous();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(0 <= pos[i] && pos[i] < cos.size(0), "decoder: position ", pos[i], " outside the rotary table");
+  Linear lm_head;
+  torch::Tensor logits;
+  const bool with_head = !head.empty();
+  if (with_head) {
+    TORCH_CHECK(head.size() == 4 && head_meta.size() == 2, "decoder: the lm_head as (packed, scales, mins, bias)");
+    TORCH_CHECK(0 <= first && first < n, "decoder: logits from row ", first, " of ", n);
+    TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() && final_norm.numel() == H,
+                "decoder: final norm weights float32 [hidden]");
+    lm_head = linear_from(head_meta[0], head[0], head[1], head[2], head[3], head_meta[1], H);
+    logits = torch::empty({n - first, lm_head.n}, torch::kFloat);
+  }
   with_cache_type(kc, vc, "decoder", [&](auto c) {
     with_head_size(head_dim, "decoder", [&](auto d) {
-      decoder_of<decltype(d)::value, decltype(c)>(x, cos, sin, kc, vc, past, vis, window, norms, lin, meta, n_heads,
-                                                  n_kv, eps, scale, bf16);
+      decoder_of<decltype(d)::value, decltype(c)>(
+          x, cos, sin, pos, kc, vc, past, vis, window, norms, lin, meta, n_heads, n_kv, eps, scale, bf16,
+          with_head ? &lm_head : nullptr, with_head ? final_norm.data_ptr<float>() : nullptr, first, head_bf16,
+          with_head ? logits.data_ptr<float>() : nullptr);
     });
   });
-  return x;
+  return with_head ? std::vector<torch::Tensor>{x, logits} : std::vector<torch::Tensor>{x};
 }
 
 // The kept rows of a verified block moved into place in the cache, in every layer and head: row d of the block from
@@ -1927,10 +1975,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("bf16") = false);
   m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row", py::arg("gu"), py::arg("bf16") = false);
-  m.def("decoder", &decoder, "a decoder stack over a block of new tokens, in place", py::arg("x"), py::arg("cos"),
-        py::arg("sin"), py::arg("kc"), py::arg("vc"), py::arg("past"), py::arg("vis"), py::arg("window"),
+  m.def("decoder", &decoder, "a decoder stack over a block of new tokens", py::arg("x"), py::arg("tokens"),
+        py::arg("table"), py::arg("table_meta"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
+        py::arg("kc"), py::arg("vc"), py::arg("past"), py::arg("vis"), py::arg("window"),
         py::arg("norms"), py::arg("lin"), py::arg("meta"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
-        py::arg("eps"), py::arg("scale"), py::arg("bf16") = false);
+        py::arg("eps"), py::arg("scale"), py::arg("bf16"), py::arg("head"), py::arg("head_meta"),
+        py::arg("final_norm"), py::arg("first"), py::arg("head_bf16"));
   m.def("keep_rows", &keep_rows, "the kept rows of a verified block moved into place in the cache");
   m.def("draw", &draw, "the token drawn from one row of logits");
   m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
