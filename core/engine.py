@@ -182,8 +182,7 @@ class Engine:
         if self.runner is not None:
             out = self.runner.side_step(h0, torch.tensor([token], device=h0.device))
             if out is not None:
-                ids, p = sampler.rank_drafts(out[1], k, position, self.heads.root_ids)
-                return out[0], ids.tolist()[0], p.tolist()[0]
+                return self.heads.ranked(*out, sampler, k, position)
         return self.heads.root_draft(h0, token, self.model, sampler, k, position)
 
     def notice(self, message: str) -> None:

@@ -29,7 +29,9 @@ RECORD_TOASTS_JS = """
 window.__toasts = [];
 new MutationObserver(() => {
   for (const t of document.querySelectorAll('.toast-body')) {
-    if (!t.__seen) { t.__seen = true; window.__toasts.push(`${(performance.now() / 1000).toFixed(1)} s: ${t.innerText}`); }
+    if (t.__seen) continue;
+    t.__seen = true;
+    window.__toasts.push(`${(performance.now() / 1000).toFixed(1)} s: ${t.innerText}`);
   }
 }).observe(document, {childList: true, subtree: true});
 """

@@ -382,6 +382,39 @@ def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weig
     assert torch.equal(c1.k[:, :, :300], c2.k[:, :, :300]) and torch.equal(c1.v[:, :, :300], c2.v[:, :, :300])
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_a_forward_in_one_call_gives_the_floats_of_its_parts(tiny_dir: Path, weights: str) -> None:
+    """A native forward is one kernel call (the embeddings looked up and the rotary rows found by position inside it,
+    the final norm and the lm_head in its threads): its hidden states, logits and cache are exactly those of the
+    embedding module, the stack given them, then the model's final norm and lm_head, for every row or a prefill's
+    last; a position past the rotary table is refused."""
+    model = load_model(str(tiny_dir), device="cpu", weights=weights).model
+    ids = torch.randint(512, (40,), generator=torch.Generator().manual_seed(3))
+    tree = branching_trees()[0]
+    tokens, positions, mask = torch.tensor(tree.tokens) % 512, tree.positions(40), tree.mask()
+    with torch.inference_mode():
+        runs = []
+        for split in (False, True):
+            c = model.new_cache(64)
+            if split:  # the parts: the embedding module's rows given to the stack, the final norm and lm_head after
+                args = list(model._native_args)
+                args[3] = ([], [])  # no table: the stack takes x from the module
+                model._native_args = tuple(args)
+                first_h = model.hidden(ids, torch.arange(40), c)
+                last = model.logits(first_h[-1:])
+                c.commit()
+                h = model.hidden(tokens, positions, c, mask)
+                logits = model.logits(h)
+            else:
+                last, first_h = model(ids, torch.arange(40), c, logits_rows=slice(-1, None))
+                c.commit()
+                logits, h = model(tokens, positions, c, mask)
+            runs.append((first_h, last, h, logits, c.k.clone(), c.v.clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), weights
+        with pytest.raises(RuntimeError, match="outside the rotary table"):
+            model(tokens[:1], torch.tensor([10**6]), model.new_cache(8))
+
+
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
 def test_the_native_stack_computes_the_same_floats_on_any_number_of_threads(tiny_dir: Path, weights: str) -> None:
     """The stack's threads share every phase (the per-row glue in pieces of a row, tiles, attention's chunks by

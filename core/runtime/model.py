@@ -402,7 +402,8 @@ class Transformer(nn.Module):
             if isinstance(self.embed, NativeEmbedding):
                 code, data, d, m, _, n = self.embed.table.kernel_args()
                 table = ([data, d, m], [code, n])
-            head, head_meta = NativeLinear.listed([self.lm_head]) if isinstance(self.lm_head, NativeLinear) else ([], [])
+            native_head = isinstance(self.lm_head, NativeLinear)
+            head, head_meta = NativeLinear.listed([self.lm_head]) if native_head else ([], [])
             none = tuple(torch.empty(0, dtype=t) for t in (torch.float32, torch.long, torch.bool))
             self._native_args = (norms, lin, meta, table, (head, head_meta), none)
         norms, lin, meta, table, (head, head_meta), (no_x, no_tokens, no_mask) = self._native_args
@@ -436,7 +437,8 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Hidden states of all new tokens and the logits of `logits_rows` (default: all rows)."""
         n = tokens.shape[0]
-        first = 0 if logits_rows is None else (n - 1 if logits_rows == slice(-1, None) else None)
+        last_only = isinstance(logits_rows, slice) and logits_rows == slice(-1, None)  # a prefill's
+        first = 0 if logits_rows is None else (n - 1 if last_only else None)
         if self.native and isinstance(cache, KVCache) and first is not None and isinstance(self.lm_head, NativeLinear):
             cache.begin(n)
             h, logits = self._native_stack(tokens, positions, cache, block_mask, first)

@@ -170,7 +170,12 @@ class DraftHeads(nn.Module):
         args = self._native_root_args(model)
         if args is not None:
             return cpu.kernel().root_draft(h0, token, *args, self.root_ids, *sampler.ranking(position), k)
-        state, logits = self.root_step(h0, torch.tensor([token], device=h0.device), model)
+        return self.ranked(*self.root_step(h0, torch.tensor([token], device=h0.device), model), sampler, k, position)
+
+    def ranked(self, state: Tensor, logits: Tensor, sampler: Sampler, k: int,
+               position: int) -> tuple[Tensor, list[int], list[float]]:
+        """A drafted level from the root head's state and logits [1, len(root_ids)]: the k drafts for `position`
+        ranked as the draw will draw there, as lists."""
         ids, p = sampler.rank_drafts(logits, k, position, self.root_ids)
         return state, ids.tolist()[0], p.tolist()[0]
 

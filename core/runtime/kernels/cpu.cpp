@@ -1754,7 +1754,8 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // where a bf16 model does (round_bf16), x, cos and sin holding bf16 values.
 template <int D, typename E>
 void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int64_t* pos, torch::Tensor kc,
-                torch::Tensor vc, int64_t past, torch::Tensor vis, int64_t window, const std::vector<torch::Tensor>& norms,
+                torch::Tensor vc, int64_t past, torch::Tensor vis, int64_t window,
+                const std::vector<torch::Tensor>& norms,
                 const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta, int64_t n_heads, int64_t n_kv,
                 double eps, double scale, bool bf16, const Linear* head, const float* final_w, int64_t first,
                 bool head_bf16, float* logits) {
