@@ -100,7 +100,12 @@ class StoryHandlers:
                 project.id]
 
     def _check_bible(self, view: View, bible_owner: Any) -> None:
-        if owner_id(bible_owner) != view.project_id:
+        """Refuse a change sent from a tab that shows another project than the open one, or none yet."""
+        shown = owner_id(bible_owner)
+        if shown is None and view.project_id is not None:
+            raise gr.Error("This tab is still loading the project; nothing was saved. Try again in a moment.",
+                           print_exception=False)
+        if shown != view.project_id:
             raise gr.Error("The page switched project while this tab showed another one; nothing was saved. "
                            "Check the tables and try again.", print_exception=False)
 
@@ -121,8 +126,10 @@ class StoryHandlers:
 
     @guarded
     def propose_outline(self, view: View, bible_owner: Any, n_chapters: Any) -> str:
-        """Queue an outline run: the model proposes a plan of `n_chapters` chapters from the premise."""
-        self._check_bible(view, bible_owner)
+        """Queue an outline run: the model proposes a plan of `n_chapters` chapters from the premise. A tab that shows
+        no project yet (a click right after opening it) proposes for the open project: nothing it shows is read."""
+        if owner_id(bible_owner) is not None:
+            self._check_bible(view, bible_owner)
         project = self.h._project(view)
         ctx, hosting = self.h.ctx, self.h.hosting
         run = jobs.queue_outline(self.db, project.id, n_chapters if n_chapters is not None else 0,

@@ -123,6 +123,25 @@ def test_an_outline_is_proposed_shown_once_and_applied(h, story, db):
         story.propose_outline(view, project_id, 0)
 
 
+def test_a_tab_not_loaded_yet_proposes_for_the_open_project_and_saves_nothing(h, story, db):
+    """Right after the Story bible tab is opened its hidden project field is still unset (0): an outline proposed
+    then is the open project's, while a save, which would write the tab's empty tables, is refused as loading."""
+    view = View()
+    project_id, _ = open_book(h, view)
+    story.save_lore(view, project_id, True, 250, [["Mara", "Mara, keeper", "The keeper."]])
+    assert "proposing an outline" in story.propose_outline(view, 0, 3)
+    assert storage.latest_outline_run(db, project_id) is not None
+    for owner in (0, None):
+        with pytest.raises(gr.Error, match="still loading"):
+            story.save_lore(view, owner, True, 250, [["", "", ""]])
+        with pytest.raises(gr.Error, match="still loading"):
+            story.apply_outline(view, owner, [["", ""]])
+    assert [e.name for e in storage.list_lore(db, project_id)] == ["Mara"]
+    h.create_project(view, "Second", "novel", "")
+    with pytest.raises(gr.Error, match="switched project"):
+        story.propose_outline(view, project_id, 3)  # a tab showing another project still refuses
+
+
 def test_a_project_file_round_trips_through_export_and_import(h, story, db, tmp_path):
     view = View()
     project_id, chapter_id = open_book(h, view, "The <Keeper>")
