@@ -413,7 +413,7 @@ class Transformer(nn.Module):
             x, ids = self.embed(tokens).float().contiguous(), no_tokens
         visible = block_mask.contiguous() if block_mask is not None else no_mask
         cos, sin = self.rope_table(cache.k.shape[2])  # a row for every position the cache holds
-        if logits_from is None or not head:
+        if logits_from is None:
             head, head_meta, logits_from = [], [], 0
         return cpu.kernel().decoder(x, ids, *table, cos, sin, positions, cache.k.transpose(2, 3), cache.v,
                                     cache.length, visible, cfg.sliding_window or 0, norms, lin, meta, cfg.n_heads,

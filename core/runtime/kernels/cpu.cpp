@@ -34,7 +34,6 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -1582,9 +1581,8 @@ std::vector<torch::Tensor> rank_drafts(torch::Tensor logits, torch::Tensor ids, 
   return {out_ids, out_p};
 }
 
-// Rows `ids` of a packed weight [n, k] as fp32 (an embedding lookup in a tied lm_head's table): per element the
-// weight the linear kernels compute with (d * q, or d * q + m for q4_1; a bf16 value widened).
-// Row `id` of a packed weight [n, k] as fp32 into row [k] (see embed_rows).
+// Row `id` of a packed weight [n, k] as fp32 into row [k] (an embedding lookup in a tied lm_head's table): per
+// element the weight the linear kernels compute with (d * q, or d * q + m for q4_1; a bf16 value widened).
 void embed_row(const Linear& L, int64_t id, float* row) {
   const int64_t k = L.k, B = k / kBlock, t = id / kCols, c = id % kCols;
   if (L.fmt == kFmtF32 || L.fmt == kFmtBF16) {
@@ -1635,9 +1633,9 @@ torch::Tensor embed_rows(torch::Tensor ids, int64_t fmt, torch::Tensor a, torch:
 // table as (packed, scales, mins, bias) each, `meta` their (format, outputs). One call for what is otherwise a dozen
 // operators per drafted level, each paying for caches a forward has just emptied; its drafts only choose what is
 // verified, never a token.
-std::vector<torch::Tensor> root_step_of(const torch::Tensor& h0, const torch::Tensor& roots,
-                                        const std::vector<torch::Tensor>& norms, double eps,
-                                        const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta) {
+std::vector<torch::Tensor> root_step(const torch::Tensor& h0, const torch::Tensor& roots,
+                                     const std::vector<torch::Tensor>& norms, double eps,
+                                     const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta) {
   TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat, "root_step: h0 float32 [R, H]");
   TORCH_CHECK(roots.numel() == h0.size(0), "root_step: one root per row of h0");
   TORCH_CHECK(norms.size() == 3 && lin.size() == 16 && meta.size() == 8,
@@ -1671,11 +1669,6 @@ std::vector<torch::Tensor> root_step_of(const torch::Tensor& h0, const torch::Te
   return {state, logits};
 }
 
-std::vector<torch::Tensor> root_step(torch::Tensor h0, torch::Tensor roots, std::vector<torch::Tensor> norms,
-                                     double eps, std::vector<torch::Tensor> lin, std::vector<int64_t> meta) {
-  return root_step_of(h0, roots, norms, eps, lin, meta);
-}
-
 // One drafted level of the root head: root_step of one row h0 [1, H] and `token`, then rank_row of its logits over
 // the scored token ids `ids` at noise key `key`. Returns the state [1, H] and the k drafts' ids and probabilities as
 // lists: the same floats as root_step then rank_drafts, in one call between two forwards instead of a dozen.
@@ -1684,7 +1677,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> root_draft(
     std::vector<int64_t> meta, torch::Tensor ids, torch::Tensor banned, double temperature, double top_p,
     int64_t top_k, double min_p, int64_t key, int64_t k) {
   TORCH_CHECK(h0.size(0) == 1, "root_draft: one row");
-  const auto out = root_step_of(h0, torch::full({1}, token, torch::kLong), norms, eps, lin, meta);
+  const auto out = root_step(h0, torch::full({1}, token, torch::kLong), norms, eps, lin, meta);
   const int64_t n = out[1].size(1);
   k = std::min(k, n);
   auto ic = ids.contiguous();
@@ -1751,7 +1744,9 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers (fp32 or bf16); `norms`
 // holds two weights per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format,
 // n) per linear layer, four linear layers per layer (qkv, o, gate/up, down). With `bf16` the stack rounds to bf16
-// where a bf16 model does (round_bf16), x, cos and sin holding bf16 values.
+// where a bf16 model does (round_bf16), x, cos and sin holding bf16 values. Token i's rotary rows are rows pos[i]
+// of cos and sin. With `head`, the final norm (weights final_w) and the lm_head of the rows from `first` on follow in
+// the same threads, into logits [n - first, head->n] (rounded to bf16 with head_bf16).
 template <int D, typename E>
 void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int64_t* pos, torch::Tensor kc,
                 torch::Tensor vc, int64_t past, torch::Tensor vis, int64_t window,
