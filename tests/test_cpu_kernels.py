@@ -314,6 +314,29 @@ def test_a_bf16_cache_without_bf16_products_is_attended_as_its_values_widened(pa
         assert not torch.equal(cpu.attend(q, keys, values, n, past, visible, None, d**-0.5), wide)
 
 
+@pytest.mark.parametrize("d", [64, 80])
+def test_bf16_pairs_give_the_same_floats_on_vdpbf16ps_and_as_two_fmas(d: int) -> None:
+    """The kernels multiply a bf16 cache's pairs on vdpbf16ps or as two fmas, whichever this CPU runs faster: both
+    round after each exact product in the same order, so every row count and key count gives the same floats."""
+    ext = cpu.kernel()
+    before = ext.set_bf16_dots(True)
+    try:
+        if not ext.bf16_dots():
+            pytest.skip("this build has no vdpbf16ps (AVX-512 BF16): its pairs are always two fmas")
+        for past, n, kv in ((0, 1, 3), (300, 1, 3), (700, 3, 3), (1000, 8, 3), (513, 16, 2)):
+            keys, values = cache(kv, past + n + 3, d, seed=past + n, dtype=torch.bfloat16)
+            q = torch.randn(kv, 3 * n, d, generator=torch.Generator().manual_seed(n))
+            visible = torch.ones(n, n).tril().bool()
+            visible[n // 2:, 1:n // 2] = False  # a branch: the later tokens skip the first ones' descendants
+            ext.set_bf16_dots(True)
+            dots = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5)
+            ext.set_bf16_dots(False)
+            fmas = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5)
+            assert torch.equal(dots, fmas), (past, n)
+    finally:
+        ext.set_bf16_dots(before)
+
+
 def test_the_decoder_rounds_each_key_and_value_once_as_it_writes_them(tiny_dir: Path) -> None:
     """The first layer's keys and values do not depend on the cache: in a bf16 cache they are PyTorch's rounding of
     those an fp32 cache receives."""

@@ -26,8 +26,11 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -685,13 +688,74 @@ constexpr int64_t kTile = 64;  // keys per score tile
 template <typename E>
 constexpr bool kPairs = !std::is_same_v<E, float>;  // whether a cache of E can be multiplied in pairs
 
-// Whether the values' pairs run on vdpbf16ps (in slices of 64 elements), or widened through fmas.
+// Whether the values' pairs can run on vdpbf16ps (in slices of 64 elements), or only widened through fmas.
 template <int D>
 #if defined(__AVX512BF16__)
 constexpr bool kValuePairs = D % 64 == 0;
 #else
 constexpr bool kValuePairs = false;
 #endif
+
+#if defined(__AVX512BF16__)
+// Seconds of `reps` rounds of 24 independent multiply-adds on registers (f: acc -> acc), the fastest of 3.
+template <typename F>
+double timed_rounds(F f, int64_t reps) {
+  double best = 1e30;
+  for (int trial = 0; trial < 3; ++trial) {
+    __m512 acc[24];
+    for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(1e-3f * static_cast<float>(i));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t rep = 0; rep < reps; ++rep) {
+#pragma GCC unroll 24
+      for (int i = 0; i < 24; ++i) acc[i] = f(acc[i]);
+      __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[5]), "+v"(acc[11]), "+v"(acc[17]), "+v"(acc[23]));
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    float sink[16];
+    _mm512_storeu_ps(sink, acc[trial]);
+    __asm__ volatile("" : : "r"(sink) : "memory");
+  }
+  return best;
+}
+#endif
+
+// Whether bf16 pairs are multiplied on vdpbf16ps, or as two fmas over the widened values: the same floats (both
+// products of a pair are exact, and the fmas take them in vdpbf16ps's order), so this only picks the faster. Some
+// CPUs issue vdpbf16ps at a fraction of their fma rate, where two fmas per pair are faster; others at the fmas'
+// rate, where the dot product is. Timed once, on registers (about a millisecond); TOKENSWIFT_BF16_DOTS=on|off
+// decides instead, and set_bf16_dots for a test.
+std::atomic<int> g_bf16_dots{-1};  // -1: not chosen yet
+
+bool bf16_dots() {
+#if defined(__AVX512BF16__)
+  if (g_bf16_dots < 0) {
+    const char* forced = std::getenv("TOKENSWIFT_BF16_DOTS");
+    if (forced != nullptr && (std::strcmp(forced, "on") == 0 || std::strcmp(forced, "off") == 0)) {
+      g_bf16_dots = std::strcmp(forced, "on") == 0 ? 1 : 0;
+    } else {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = a;
+      const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
+      const int64_t reps = 20000;
+      const double dots = timed_rounds([&](__m512 acc) { return _mm512_dpbf16_ps(acc, a, b); }, reps);
+      const double fmas = timed_rounds([&](__m512 acc) { return _mm512_fmadd_ps(x, _mm512_fmadd_ps(x, acc, y), y); },
+                                       reps);
+      g_bf16_dots = dots < fmas ? 1 : 0;
+    }
+  }
+  return g_bf16_dots == 1;
+#else
+  return false;
+#endif
+}
+
+// For tests: pick the pairs' instruction (true: vdpbf16ps where this build has it), returning the previous choice.
+bool set_bf16_dots(bool on) {
+  const bool before = bf16_dots();
+#if defined(__AVX512BF16__)
+  g_bf16_dots = on ? 1 : 0;
+#endif
+  return before;
+}
 
 // Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order (in
 // pairs, odd first, with Pairs). `next` (or null): keys of the same layout (stride nks) fetched meanwhile, a row of
@@ -779,6 +843,11 @@ inline void score_tile_bf16(const int32_t* qp, const uint16_t* kt, int64_t ks, i
   }
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
+    if (width == kTile) {  // straight into place: a copy through the stack cost a third of the tile's multiplies
+      from_pair_lanes(acc[r][0], acc[r][1], p + r * ldp);
+      from_pair_lanes(acc[r][2], acc[r][3], p + r * ldp + 32);
+      continue;
+    }
     float row[kTile];
     from_pair_lanes(acc[r][0], acc[r][1], row);
     from_pair_lanes(acc[r][2], acc[r][3], row + 32);
@@ -798,11 +867,173 @@ inline void for_row_blocks(int64_t R, Tile tile) {
   else if (R - r == 1) tile(std::integral_constant<int, 1>{}, r);
 }
 
+// Value rows prefetched ahead: 16 rows' bytes of fp32 (prefetches past the cache's end are harmless).
+template <typename E>
+constexpr int64_t kValuesAhead = 16 * 4 / sizeof(E);
+
+constexpr int64_t kRegRows = 24;  // the most rows a register tile takes (below); the padding past the last
+
+#if defined(__AVX512F__)
+// Register-blocked fma tiles for AVX-512, used wherever the pairs are not on vdpbf16ps: a tile is 16 W keys (scores)
+// or 16 W elements of the values (weighted values) for up to kRegRows rows, W accumulator registers per row, each key
+// or value row loaded (and widened) once for all of them and each query element or weight broadcast into its fma.
+// Every row's result is the same chain of fmas as score_tile's and value_tile's (the same order over j, or over l,
+// odd first in pairs), so the floats do not change; rows past the last are computed on padding and dropped.
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 widened: a shift, exact
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// f(rows, wide, r, valid) over R rows in blocks of `rows` (a compile-time constant; the first `valid` of them real)
+// and `wide` vectors per row: a few rows take 4 vectors each (more independent fmas per load), more rows one each
+// in blocks of at most kRegRows, a multiple of 4.
+template <typename F>
+inline void for_register_blocks(int64_t R, F f) {
+  using I = std::integral_constant<int, 1>;
+  using IV = std::integral_constant<int, 4>;
+  if (R <= 6) {
+    switch ((R + 1) / 2) {
+      case 1: return f(std::integral_constant<int, 2>{}, IV{}, 0, R);
+      case 2: return f(std::integral_constant<int, 4>{}, IV{}, 0, R);
+      default: return f(std::integral_constant<int, 6>{}, IV{}, 0, R);
+    }
+  }
+  for (int64_t r = 0; r < R; r += kRegRows) {
+    const int64_t valid = std::min(kRegRows, R - r);
+    switch ((valid + 3) / 4) {
+      case 1: f(std::integral_constant<int, 4>{}, I{}, r, valid); break;
+      case 2: f(std::integral_constant<int, 8>{}, I{}, r, valid); break;
+      case 3: f(std::integral_constant<int, 12>{}, I{}, r, valid); break;
+      case 4: f(std::integral_constant<int, 16>{}, I{}, r, valid); break;
+      case 5: f(std::integral_constant<int, 20>{}, I{}, r, valid); break;
+      default: f(std::integral_constant<int, 24>{}, I{}, r, valid); break;
+    }
+  }
+}
+
+// Bytes ahead of a key or value row that the tiles prefetch: far enough for the cache's latency.
+constexpr int64_t kRegAhead = 256;
+
+// Scores of RB rows (the first `valid` stored) for `width` <= 16 W keys stored transposed (kt[j * ks + l]).
+template <int RB, int W, int D, typename E, bool Pairs>
+inline void score_rows(const float* q, const E* kt, int64_t ks, int64_t width, float* p, int64_t ldp, int64_t valid) {
+  __mmask16 m[W];
+  for (int w = 0; w < W; ++w)
+    m[w] = static_cast<__mmask16>((1u << std::clamp<int64_t>(width - 16 * w, 0, 16)) - 1);
+  __m512 acc[RB][W];
+#pragma GCC unroll 24
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+  for (int jj = 0; jj < D; ++jj) {
+    const int j = Pairs ? jj ^ 1 : jj;
+    for (int64_t b = 0; b < 16 * W * static_cast<int64_t>(sizeof(E)); b += 64)  // each line of the tile's row
+      __builtin_prefetch(reinterpret_cast<const char*>(kt + j * ks) + kRegAhead + b, 0, kCacheToL2);
+    __m512 k[W];
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) k[w] = load16(kt + j * ks + 16 * w, m[w]);
+#pragma GCC unroll 24
+    for (int r = 0; r < RB; ++r) {
+      const __m512 qj = _mm512_set1_ps(q[r * D + j]);
+#pragma GCC unroll 4
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(qj, k[w], acc[r][w]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int r = 0; r < RB; ++r)  // (every index a constant: the accumulators stay in registers)
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w)
+      if (r < valid) _mm512_mask_storeu_ps(p + r * ldp + 16 * w, m[w], acc[r][w]);
+}
+
+// acc[r][d0 .. d0 + 16 W) += sum over l < n of w[r][l] * v[l][d0 ..], l in order (in pairs, odd first, with Pairs:
+// n even), RB rows (the first `valid` read and stored).
+template <int RB, int W, int D, typename E, bool Pairs>
+inline void value_rows(const float* w, int64_t ldw, const E* v, int64_t n, float* acc, int64_t d0, int64_t valid) {
+  __m512 a[RB][W];
+#pragma GCC unroll 24
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < W; ++x) a[r][x] = r < valid ? _mm512_loadu_ps(acc + r * D + d0 + 16 * x) : _mm512_setzero_ps();
+  for (int64_t lj = 0; lj < n; ++lj) {
+    const int64_t l = Pairs ? lj ^ 1 : lj;
+    for (int64_t b = 0; b < 16 * W * static_cast<int64_t>(sizeof(E)); b += 64)  // rows kValuesAhead on
+      __builtin_prefetch(reinterpret_cast<const char*>(v + (lj + kValuesAhead<E>) * D + d0) + b, 0, kCacheToL2);
+    __m512 vl[W];
+#pragma GCC unroll 4
+    for (int x = 0; x < W; ++x) vl[x] = load16(v + l * D + d0 + 16 * x, 0xFFFF);
+#pragma GCC unroll 24
+    for (int r = 0; r < RB; ++r) {
+      const __m512 wl = _mm512_set1_ps(w[r * ldw + l]);
+#pragma GCC unroll 4
+      for (int x = 0; x < W; ++x) a[r][x] = _mm512_fmadd_ps(wl, vl[x], a[r][x]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < W; ++x)
+      if (r < valid) _mm512_storeu_ps(acc + r * D + d0 + 16 * x, a[r][x]);
+}
+
+// scores() on the register tiles: R rows (q padded by kRegRows rows past them) for n keys from slot s0 on.
+template <int D, typename E>
+void scores_in_registers(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p,
+                         int64_t ldp, bool pairs) {
+  const int64_t tile = R <= 6 ? 64 : 16;  // keys per tile: for_register_blocks' vectors per row, 16 keys each
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t width = std::min(tile, n - t0);
+    for_register_blocks(R, [&](auto rows, auto wide, int64_t r, int64_t valid) {
+      constexpr int RB = decltype(rows)::value, W = decltype(wide)::value;
+      const E* src = kt + s0 + t0;
+      float* out = p + r * ldp + t0;
+      if constexpr (kPairs<E>) {
+        if (pairs) return score_rows<RB, W, D, E, true>(q + r * D, src, ks, width, out, ldp, valid);
+      }
+      score_rows<RB, W, D, E, false>(q + r * D, src, ks, width, out, ldp, valid);
+    });
+  }
+}
+
+// The committed keys' weighted values of R rows (w padded by kRegRows rows past them) on the register tiles.
+template <int D, typename E>
+void values_in_registers(const float* w, int64_t ldw, const E* v, int64_t n, int64_t R, float* acc, bool pairs) {
+  for_register_blocks(R, [&](auto rows, auto wide, int64_t r, int64_t valid) {
+    constexpr int RB = decltype(rows)::value, W = decltype(wide)::value;
+    if constexpr (D % (16 * W) == 0) {
+      for (int64_t d0 = 0; d0 < D; d0 += 16 * W) {
+        if constexpr (kPairs<E>) {
+          if (pairs) {
+            value_rows<RB, W, D, E, true>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
+            continue;
+          }
+        }
+        value_rows<RB, W, D, E, false>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
+      }
+    } else {  // a head size that is not a multiple of 64: one vector per row at a time
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        if constexpr (kPairs<E>) {
+          if (pairs) {
+            value_rows<RB, 1, D, E, true>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
+            continue;
+          }
+        }
+        value_rows<RB, 1, D, E, false>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
+      }
+    }
+  });
+}
+#endif
+
 // Scores of R rows for n keys from slot s0 on (p[r * ldp + l]); a last partial tile goes through a zero-padded copy.
 // With `pairs`, q holds bf16 values and qp (on vdpbf16ps) the same rows as bf16 pairs.
 template <int D, typename E>
 void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p,
             int64_t ldp, bool pairs) {
+#if defined(__AVX512F__)
+  if (!pairs || qp == nullptr) return scores_in_registers<D, E>(q, R, kt, ks, s0, n, p, ldp, pairs);
+#endif
   E pad[D * kTile];
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t width = std::min(kTile, n - t0);
@@ -821,7 +1052,7 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t k
     const E* next = kt + s0 + t0 + kTile * (4 / sizeof(E));
 #if defined(__AVX512BF16__)
     if constexpr (kPairs<E>) {
-      if (pairs) {
+      if (pairs && qp != nullptr) {
         for_row_blocks(R, [&](auto rows, int64_t r) {
           score_tile_bf16<decltype(rows)::value, D>(qp + r * (D / 2), src, stride, width, p + r * ldp + t0, ldp,
                                                     r == 0 ? next : nullptr, ks);
@@ -853,10 +1084,6 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t k
   }
 }
 
-// Value rows prefetched ahead: 16 rows' bytes of fp32 (prefetches past the cache's end are harmless).
-template <typename E>
-constexpr int64_t kValuesAhead = 16 * 4 / sizeof(E);
-
 // acc[r][i] += sum over l < n of w[r][l] * v[l][i], l in order (in pairs, odd first, with Pairs: n even), RB rows
 // sharing every loaded value row. Over a bf16 cache the weights w hold bf16 values.
 template <int RB, int D, typename E, bool Pairs>
@@ -880,10 +1107,22 @@ inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float
 }
 
 #if defined(__AVX512BF16__)
+// A chunk's weights w[0 .. kChunk) (bf16 values held as floats) as bf16 pairs: out[i] = (w[2i], w[2i+1]), each
+// a float's upper half (exact), built once per row rather than for every value row it meets.
+inline void weight_pairs(const float* w, int32_t* out) {
+  // the odd 16-bit words of two vectors of floats (the last argument is word 0's)
+  const __m512i upper = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int64_t l = 0; l < kChunk; l += 32) {
+    const __m512i a = _mm512_castps_si512(_mm512_loadu_ps(w + l)), b = _mm512_castps_si512(_mm512_loadu_ps(w + l + 16));
+    _mm512_storeu_si512(out + l / 2, _mm512_permutex2var_epi16(a, upper, b));
+  }
+}
+
 // value_tile over a bf16 cache on vdpbf16ps (D a multiple of 64): per 64 elements of the rows, pairs of value rows
-// interleaved, each row's weights as bf16 pairs.
+// interleaved; wp[r * ldw + l / 2]: row r's weights of keys l and l + 1 as a bf16 pair (weight_pairs).
 template <int RB, int D>
-inline void value_tile_bf16(const float* w, int64_t ldw, const uint16_t* v, int64_t n, float* acc) {
+inline void value_tile_bf16(const int32_t* wp, int64_t ldw, const uint16_t* v, int64_t n, float* acc) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     __m512 a[RB][4];
 #pragma GCC unroll 8
@@ -900,7 +1139,7 @@ inline void value_tile_bf16(const float* w, int64_t ldw, const uint16_t* v, int6
       pairs_of(v + l * D + d0, v + (l + 1) * D + d0, k);
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
-        const __m512bh wb = (__m512bh)_mm512_set1_epi32(bf16_pair(w + r * ldw + l));
+        const __m512bh wb = (__m512bh)_mm512_set1_epi32(wp[r * ldw + l / 2]);
 #pragma GCC unroll 4
         for (int m = 0; m < 4; ++m) a[r][m] = _mm512_dpbf16_ps(a[r][m], k[m], wb);
       }
@@ -917,13 +1156,13 @@ inline void value_tile_bf16(const float* w, int64_t ldw, const uint16_t* v, int6
 // One row's weighted values over a bf16 cache from key `from` (even) to `count`, in pairs as value_tile takes them,
 // wherever each key sits (value(l)); a pair's missing second key weighs 0 (w is 0 past count) on zeros.
 template <int D, typename Value>
-void values_in_pairs(const float* w, int64_t from, int64_t count, Value value, float* acc) {
+void values_in_pairs(const float* w, int64_t from, int64_t count, Value value, float* acc, bool dots) {
   static const uint16_t zeros[D] = {};
   for (int64_t l = from; l < count; l += 2) {
     const uint16_t* va = value(l);
     const uint16_t* vb = l + 1 < count ? value(l + 1) : zeros;
 #if defined(__AVX512BF16__)
-    if constexpr (D % 64 == 0) {
+    if (D % 64 == 0 && dots) {
       const __m512bh wb = (__m512bh)_mm512_set1_epi32(bf16_pair(w + l));
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 a[4];
@@ -950,7 +1189,7 @@ template <int D, typename E>
 struct Attention {
   int64_t H, G, n, R, past, window, C = 0;
   float scale;
-  bool pairs;
+  bool pairs, dots;  // products in bf16 pairs; the pairs on vdpbf16ps (bf16_dots)
   const std::vector<std::vector<int64_t>>& anc;
   std::vector<int64_t> len, cost;  // each row's key count; the tasks' cumulative costs (cost[t]: tasks before t)
   std::vector<float> qs, part_max, part_sum, part_acc;
@@ -959,7 +1198,7 @@ struct Attention {
   Attention(int64_t H_, int64_t G_, int64_t n_, int64_t past_, const std::vector<std::vector<int64_t>>& anc_,
             int64_t window_, float scale_, bool bf16_products)
       : H(H_), G(G_), n(n_), R(G_ * n_), past(past_), window(window_), scale(scale_),
-        pairs(kPairs<E> && bf16_products), anc(anc_), len(n_) {
+        pairs(kPairs<E> && bf16_products), dots(pairs && bf16_dots()), anc(anc_), len(n_) {
     int64_t longest = 0;
     for (int64_t i = 0; i < n; ++i) {
       len[i] = past + static_cast<int64_t>(anc[i].size());
@@ -972,9 +1211,9 @@ struct Attention {
       const int64_t c0 = (task % C) * kChunk;
       cost[task + 1] = cost[task] + std::min(kChunk, longest - c0) + kChunk / 16;
     }
-    qs.resize(H * R * D);
+    qs.resize((H * R + kRegRows) * D);  // rows past the last: the register tiles' padding
 #if defined(__AVX512BF16__)
-    if (pairs) qp.resize(H * R * D / 2);
+    if (dots) qp.resize(H * R * D / 2);
 #endif
     part_max.resize(H * C * R);
     part_sum.resize(H * C * R);
@@ -989,7 +1228,7 @@ struct Attention {
       qs[row + j] = q[j] * scale;
       if (pairs) qs[row + j] = round_bf16(qs[row + j]);
 #if defined(__AVX512BF16__)
-      if (pairs && j % 2 == 1) qp[(row + j) / 2] = bf16_pair(&qs[row + j - 1]);
+      if (dots && j % 2 == 1) qp[(row + j) / 2] = bf16_pair(&qs[row + j - 1]);
 #endif
     }
   }
@@ -998,7 +1237,9 @@ struct Attention {
 
   void tasks(int64_t begin, int64_t end, const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh) {
     static thread_local std::vector<float> p, block, wide;
-    p.resize(R * kChunk);
+    static thread_local std::vector<int32_t> wp;  // p's rows as bf16 pairs (weight_pairs), for vdpbf16ps
+    p.resize((R + kRegRows) * kChunk);
+    wp.resize(R * kChunk / 2);
     block.resize(R * n);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / C, c0 = (task % C) * kChunk, c1 = c0 + kChunk;
@@ -1037,34 +1278,44 @@ struct Attention {
           for (int64_t l = 0; l < kChunk; ++l) s += pr[l];
         }
         sum[r] = s;
-        if (pairs)  // the values' weights in bf16 (their sum above stays fp32's)
+        if (pairs) {  // the values' weights in bf16 (their sum above stays fp32's)
           for (int64_t l = 0; l < kChunk; ++l) pr[l] = round_bf16(pr[l]);
+#if defined(__AVX512BF16__)
+          if (dots && kValuePairs<D>) weight_pairs(pr, &wp[r * kChunk / 2]);
+#endif
+        }
       }
       // values: the committed keys for all rows at once (an even number of them in pairs), then each row's other
       // keys in its logical order
       const int64_t common = pairs ? shared & ~int64_t{1} : shared;
       const E* vc = vp + h * vh + c0 * D;
-      if (common > 0 && pairs && kValuePairs<D>) {
+      if (common > 0 && dots && kValuePairs<D>) {
 #if defined(__AVX512BF16__)
         for_row_blocks(R, [&](auto rows, int64_t r) {
-          value_tile_bf16<decltype(rows)::value, D>(&p[r * kChunk], kChunk, reinterpret_cast<const uint16_t*>(vc),
-                                                    common, acc + r * D);
+          value_tile_bf16<decltype(rows)::value, D>(&wp[r * kChunk / 2], kChunk / 2,
+                                                    reinterpret_cast<const uint16_t*>(vc), common, acc + r * D);
         });
 #endif
-      } else if (common > 0 && kPairs<E> && R > kRowBlock) {  // several row blocks: values widened once for all
-        wide.resize(kChunk * D);
-        widened(vc, common * D, wide.data());
-        for_row_blocks(R, [&](auto rows, int64_t r) {
-          constexpr int RB = decltype(rows)::value;
-          pairs ? value_tile<RB, D, float, true>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D)
-                : value_tile<RB, D, float, false>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D);
-        });
       } else if (common > 0) {
-        for_row_blocks(R, [&](auto rows, int64_t r) {
-          constexpr int RB = decltype(rows)::value;
-          pairs ? value_tile<RB, D, E, true>(&p[r * kChunk], kChunk, vc, common, acc + r * D)
-                : value_tile<RB, D, E, false>(&p[r * kChunk], kChunk, vc, common, acc + r * D);
-        });
+#if defined(__AVX512F__)
+        values_in_registers<D, E>(p.data(), kChunk, vc, common, R, acc, pairs);
+#else
+        if (kPairs<E> && R > kRowBlock) {  // several row blocks: values widened once for all
+          wide.resize(kChunk * D);
+          widened(vc, common * D, wide.data());
+          for_row_blocks(R, [&](auto rows, int64_t r) {
+            constexpr int RB = decltype(rows)::value;
+            pairs ? value_tile<RB, D, float, true>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D)
+                  : value_tile<RB, D, float, false>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D);
+          });
+        } else {
+          for_row_blocks(R, [&](auto rows, int64_t r) {
+            constexpr int RB = decltype(rows)::value;
+            pairs ? value_tile<RB, D, E, true>(&p[r * kChunk], kChunk, vc, common, acc + r * D)
+                  : value_tile<RB, D, E, false>(&p[r * kChunk], kChunk, vc, common, acc + r * D);
+          });
+        }
+#endif
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r % n;
@@ -1076,7 +1327,7 @@ struct Attention {
         float* ar = acc + r * D;
         if constexpr (kPairs<E>) {
           if (pairs) {
-            values_in_pairs<D>(&p[r * kChunk], common, count, value, ar);
+            values_in_pairs<D>(&p[r * kChunk], common, count, value, ar, dots);
             continue;
           }
         }
@@ -1965,6 +2216,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // `bf16`: round to bf16 where a bf16 model does (round_bf16); fp32 activations without it
   m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight", py::arg("x"), py::arg("fmt"), py::arg("a"),
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("n"), py::arg("bf16") = false);
+  m.def("bf16_dots", &bf16_dots, "whether bf16 pairs are multiplied on vdpbf16ps (else as two fmas: same floats)");
+  m.def("set_bf16_dots", &set_bf16_dots, "pick the bf16 pairs' instruction (a test's switch); the previous choice");
   m.def("attend", &attend, "attention in each row's logical key order", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("n"), py::arg("past"), py::arg("vis"), py::arg("window"), py::arg("scale"),
         py::arg("bf16_products") = true);
