@@ -872,6 +872,7 @@ template <typename E>
 constexpr int64_t kValuesAhead = 16 * 4 / sizeof(E);
 
 constexpr int64_t kRegRows = 24;  // the most rows a register tile takes (below); the padding past the last
+constexpr int64_t kWideRows = 6;  // the most rows that take 4 vectors each in a register tile
 
 #if defined(__AVX512F__)
 // Register-blocked fma tiles for AVX-512, used wherever the pairs are not on vdpbf16ps: a tile is 16 W keys (scores)
@@ -892,7 +893,7 @@ template <typename F>
 inline void for_register_blocks(int64_t R, F f) {
   using I = std::integral_constant<int, 1>;
   using IV = std::integral_constant<int, 4>;
-  if (R <= 6) {
+  if (R <= kWideRows) {
     switch ((R + 1) / 2) {
       case 1: return f(std::integral_constant<int, 2>{}, IV{}, 0, R);
       case 2: return f(std::integral_constant<int, 4>{}, IV{}, 0, R);
@@ -981,7 +982,7 @@ inline void value_rows(const float* w, int64_t ldw, const E* v, int64_t n, float
 template <int D, typename E>
 void scores_in_registers(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p,
                          int64_t ldp, bool pairs) {
-  const int64_t tile = R <= 6 ? 64 : 16;  // keys per tile: for_register_blocks' vectors per row, 16 keys each
+  const int64_t tile = R <= kWideRows ? 64 : 16;  // keys per tile: for_register_blocks' vectors per row, 16 each
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
     const int64_t width = std::min(tile, n - t0);
     for_register_blocks(R, [&](auto rows, auto wide, int64_t r, int64_t valid) {
@@ -1000,27 +1001,17 @@ void scores_in_registers(const float* q, int64_t R, const E* kt, int64_t ks, int
 template <int D, typename E>
 void values_in_registers(const float* w, int64_t ldw, const E* v, int64_t n, int64_t R, float* acc, bool pairs) {
   for_register_blocks(R, [&](auto rows, auto wide, int64_t r, int64_t valid) {
-    constexpr int RB = decltype(rows)::value, W = decltype(wide)::value;
-    if constexpr (D % (16 * W) == 0) {
-      for (int64_t d0 = 0; d0 < D; d0 += 16 * W) {
-        if constexpr (kPairs<E>) {
-          if (pairs) {
-            value_rows<RB, W, D, E, true>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
-            continue;
-          }
+    constexpr int RB = decltype(rows)::value;
+    // a head size that is not a multiple of 16 W: one vector per row at a time
+    constexpr int W = D % (16 * decltype(wide)::value) == 0 ? decltype(wide)::value : 1;
+    for (int64_t d0 = 0; d0 < D; d0 += 16 * W) {
+      if constexpr (kPairs<E>) {
+        if (pairs) {
+          value_rows<RB, W, D, E, true>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
+          continue;
         }
-        value_rows<RB, W, D, E, false>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
       }
-    } else {  // a head size that is not a multiple of 64: one vector per row at a time
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        if constexpr (kPairs<E>) {
-          if (pairs) {
-            value_rows<RB, 1, D, E, true>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
-            continue;
-          }
-        }
-        value_rows<RB, 1, D, E, false>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
-      }
+      value_rows<RB, W, D, E, false>(w + r * ldw, ldw, v, n, acc + r * D, d0, valid);
     }
   });
 }
