@@ -16,6 +16,11 @@ with every poll (``text_digest``, computed in the browser by ``DIGEST_JS``), and
 page holds something else than it should, unless what it holds is the writer's own typing (a text this session
 neither sent nor saw stored, in the same editable chapter), which is never overwritten. A stale response that lands last is then
 repaired by the next poll too, without a window in which typing is replaced.
+
+The chapter list's pick is the writer's too: the page says which chapter it shows picked and whether a pick of its
+own is still on its way to the server (``PageChapter``), and a poll moves the pick only when none is and it differs
+from the server's. A response computed before a click and landing after it would otherwise put the old chapter back,
+and a click on that chapter, already shown picked, would send nothing.
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ class View:
     compare_id: int | None = None
     owner: str | None = None  # the writer (app.identity), set by the page-load handler on a multi-user studio
     loaded: bool = False  # set by the page-load handler; False in a session the server does not know (restart)
+    picks: int = 0  # the number of the page's newest chapter pick opened (ui.PICK_JS counts them)
 
 
 @dataclass
@@ -107,12 +113,22 @@ class LiveCache:
             self.keys.pop(part, None)
 
 
+@dataclass(frozen=True)
+class PageChapter:
+    """The chapter the page's list shows picked, and whether the writer picked one the server has not answered."""
+
+    picked: int | None
+    pending: bool
+
+
 @dataclass
 class WriteUpdate:
     """Changes for the Write tab; None = leave as it is."""
 
     worker_html: str | None = None
-    chapters: tuple[list[tuple[str, int]], int | None] | None = None  # (choices, selected)
+    chapters: list[tuple[str, int]] | None = None  # the list's choices
+    select: bool = False  # whether to set the list's pick to `selected`
+    selected: int | None = None
     status_html: str | None = None
     text: tuple[str | None, bool] | None = None  # (value, editable); value None: only the state
     counts_html: str | None = None
@@ -140,12 +156,12 @@ def _refresh_buckets(db: storage.Database, cache_buckets: StepBuckets | None, ru
 
 
 def poll_write(db: storage.Database, view: View, cache: LiveCache, *, zerogpu: bool = False,
-               now: float | None = None, shown: str | None = None) -> WriteUpdate:
+               now: float | None = None, shown: str | None = None, page: PageChapter | None = None) -> WriteUpdate:
     """Read the open chapter's state and return what is to be sent since ``cache`` (which is updated); ``now`` is a
-    time.monotonic() reading (default: the current one); ``shown`` the page's digest of the chapter text it holds
-    (None: unknown, as from an API caller)."""
+    time.monotonic() reading (default: the current one); ``shown`` the page's digest of the chapter text it holds and
+    ``page`` its chapter list's pick (None: unknown, as from an API caller)."""
     with cache.lock:  # a timer tick and an action's follow-up refresh may overlap for one session
-        return _poll_write(db, view, cache, zerogpu, time.monotonic() if now is None else now, shown)
+        return _poll_write(db, view, cache, zerogpu, time.monotonic() if now is None else now, shown, page)
 
 
 def _shown_text(db: storage.Database, chapter_id: int, active: bool) -> tuple[str, bool, int]:
@@ -165,7 +181,7 @@ def _known(cache: LiveCache, digest: str) -> None:
 
 
 def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: bool, now: float,
-                shown: str | None = None) -> WriteUpdate:
+                shown: str | None, page: PageChapter | None) -> WriteUpdate:
     up = WriteUpdate()
     header, ready = worker_html(db, zerogpu)
     if cache.due("worker", header, now):
@@ -173,9 +189,14 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
 
     chapters = storage.list_chapters(db, view.project_id) if view.project_id is not None else []
     chapter = next((c for c in chapters if c.id == view.chapter_id), None)
+    selected = chapter.id if chapter else None
     if cache.due("chapters", tuple((c.id, c.title, c.status) for c in chapters) + (view.chapter_id,), now):
-        up.chapters = ([(views.chapter_label(i, c), c.id) for i, c in enumerate(chapters)],
-                       chapter.id if chapter else None)
+        up.chapters = [(views.chapter_label(i, c), c.id) for i, c in enumerate(chapters)]
+        up.select = page is None
+    if page is not None:
+        up.select = not page.pending and page.picked != selected
+    if up.select:
+        up.selected = selected
     goal = None
     if view.project_id is not None:
         try:

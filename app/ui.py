@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import html
+import json
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -335,7 +336,14 @@ class Handlers:
     # -- chapters -------------------------------------------------------------------------------------------
 
     @guarded
-    def open_chapter(self, view: View, chapter_id: int | None) -> list[Any]:
+    def open_chapter(self, view: View, chapter_id: int | None, pick: str | None = None) -> list[Any]:
+        """Open a chapter; `pick`: the page's number of this pick (PICK_JS), so an older pick overtaken on its way by
+        a newer one is not opened after it (API callers leave it out)."""
+        number = int(pick) if isinstance(pick, str) and pick.isdigit() else None
+        if number is not None:
+            if number <= view.picks:
+                return self.chapter_outputs(view)
+            view.picks = number
         if chapter_id in (None, ""):
             return self.chapter_outputs(view)
         chapter = storage.get_chapter(self.db, page_id(chapter_id, "chapter"), self._me(view))
@@ -481,23 +489,28 @@ class Handlers:
         gr.Info("Stopped." if status == "cancelled" else "Stopping after the current step…")
 
     def tick(self, view: View, cache: LiveCache, remembered: dict | None = None, key: str | None = None,
-             shown: str | None = None, profile: gr.OAuthProfile | None = None) -> tuple[Any, ...]:
+             shown: str | None = None, picked: Any = None, page: str | None = None,
+             profile: gr.OAuthProfile | None = None) -> tuple[Any, ...]:
         """The Write tab's timer: ``refresh``, after rejoining a page the server does not know."""
         self._rejoin(view, remembered, key, profile)
-        return self.refresh(view, cache, shown)
+        return self.refresh(view, cache, shown, picked, page)
 
-    def refresh(self, view: View, cache: LiveCache, shown: str | None = None) -> tuple[Any, ...]:
+    def refresh(self, view: View, cache: LiveCache, shown: str | None = None, picked: Any = None,
+                page: str | None = None) -> tuple[Any, ...]:
         """The 1 s poll of the Write tab (and header): only changed parts are sent. `shown`: the page's digest of
-        the chapter text it holds (live.DIGEST_JS); anything else (an API caller's text) counts as unknown."""
+        the chapter text it holds (live.DIGEST_JS); anything else (an API caller's text) counts as unknown. `page`:
+        the page's chapter pick (PAGE_JS; `picked`, the list's own value, is left empty by it)."""
         if not (isinstance(shown, str) and DIGEST.fullmatch(shown)):
             shown = None
         try:
-            up = live.poll_write(self.db, view, cache, zerogpu=self.ctx.driver is not None, shown=shown)
+            up = live.poll_write(self.db, view, cache, zerogpu=self.ctx.driver is not None, shown=shown,
+                                 page=_page_chapter(page))
         except Exception:  # a transient database error must not pop a modal every second
             log.warning("refresh failed", exc_info=True)
             return tuple(gr.skip() for _ in range(WRITE_POLL_OUTPUTS))
-        chapters = (gr.update(choices=up.chapters[0], value=up.chapters[1], interactive=True)
-                    if up.chapters is not None else gr.skip())
+        pick = {"value": up.selected} if up.select else {}
+        chapters = (gr.update(choices=up.chapters, interactive=True, **pick) if up.chapters is not None
+                    else gr.update(**pick) if pick else gr.skip())
         if up.text is None:
             text = gr.skip()
         elif up.text[0] is None:
@@ -664,8 +677,31 @@ def _queue_handler(h: Handlers, mode: str) -> Callable[..., str]:
 WRITE_POLL_OUTPUTS = 17
 # The Write tab's polls send a digest of the chapter text the page holds, not the text (app.live).
 DIGEST = re.compile(r"\d+:[0-9a-f]{1,8}")
-TICK_JS = f"(view, cache, remembered, key, text) => [view, cache, remembered, key, ({live.DIGEST_JS})(text)]"
-REFRESH_JS = f"(view, cache, text) => [view, cache, ({live.DIGEST_JS})(text)]"
+# And what the chapter list shows picked, with whether a pick of the writer's is still on its way (app.live): a click
+# counts one in PICK_JS, its answer one in PICKED_JS. The list's own value goes as empty, the pick as JSON text.
+PAGE_JS = ("(picked) => JSON.stringify({picked: picked ?? null, "
+           "pending: (window.tsPicks || 0) > (window.tsPicked || 0)})")
+PICK_JS = ("(view, picked) => { window.tsPicks = (window.tsPicks || 0) + 1; "
+           "return [view, picked, String(window.tsPicks)]; }")
+PICKED_JS = "() => { window.tsPicked = (window.tsPicked || 0) + 1; }"
+# The page-load handler has answered: for scripts driving the page (the browser tests), which must not act before
+# it (it opens what the browser had open, and closes the new-project form once projects exist).
+LOADED_JS = "() => { window.tsLoaded = true; }"
+TICK_JS = (f"(view, cache, remembered, key, text, picked) => [view, cache, remembered, key, ({live.DIGEST_JS})(text), "
+           f"null, ({PAGE_JS})(picked)]")
+REFRESH_JS = f"(view, cache, text, picked) => [view, cache, ({live.DIGEST_JS})(text), null, ({PAGE_JS})(picked)]"
+
+
+def _page_chapter(page: Any) -> live.PageChapter | None:
+    """PAGE_JS's text as a PageChapter; None for anything else (an API caller)."""
+    try:
+        data = json.loads(page) if isinstance(page, str) else None
+        picked, pending = data["picked"], data["pending"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not (picked is None or type(picked) is int) or type(pending) is not bool:
+        return None
+    return live.PageChapter(picked, pending)
 COMPARE_POLL_OUTPUTS = 9
 
 
@@ -746,6 +782,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
                 create_btn = gr.Button("Create project", variant="primary", elem_id="create-project")
             chapters_radio = gr.Radio(label="Chapters", choices=[], elem_id="chapter-list",
                                       elem_classes="chapter-list")
+            # Never shown: the channel of the page's chapter pick to the server (PAGE_JS for the polls, PICK_JS).
+            page_pick = gr.Textbox(visible=False, elem_id="page-pick")
             goal_html = gr.HTML(elem_id="goal", js_on_load=None)
             with gr.Row(elem_classes="tight-row"):
                 add_ch_btn = gr.Button("+ Chapter", size="sm", elem_id="add-chapter", min_width=60)
@@ -896,8 +934,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         navigate = {"concurrency_id": "navigate", "concurrency_limit": 1}
 
         def then_refresh(event: Any) -> Any:
-            return event.then(h.refresh, [view, cache, chapter_text], write_poll_outs, api_visibility="private",
-                              js=REFRESH_JS, **quiet)
+            return event.then(h.refresh, [view, cache, chapter_text, chapters_radio, page_pick], write_poll_outs,
+                              api_visibility="private", js=REFRESH_JS, **quiet)
 
         def then_drive(event: Any) -> Any:
             # ZeroGPU only: run the queue in GPU chunks inside a request. Elsewhere the worker thread does it.
@@ -906,7 +944,8 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
             return event.then(h.drive, None, None, api_visibility="private", **quiet)
 
         # The polls first: follow-up refreshes below reuse their functions, and the first registration gets the name.
-        timer.tick(h.tick, [view, cache, remembered, key, chapter_text], write_poll_outs, api_name="refresh",
+        timer.tick(h.tick, [view, cache, remembered, key, chapter_text, chapters_radio, page_pick], write_poll_outs,
+                   api_name="refresh",
                    js=TICK_JS, concurrency_limit=8,
                    concurrency_id="poll", **quiet)
         compare_timer.tick(h.tick_compare, [view, cache, remembered, key], cmp_poll_outs, api_name="refresh_compare",
@@ -927,6 +966,7 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         loaded = demo.load(h.load, [view, remembered, key], project_outs + [new_acc, cmp_pick, key, *identity_outs],
                            api_name="load")
         then_refresh(loaded).then(h.comparisons_table, [view], cmp_table, api_visibility="private", **quiet)
+        loaded.then(None, None, None, js=LOADED_JS)
         then_refresh(claim_btn.click(h.claim, [view, key], project_outs + identity_outs, api_name="claim"))
 
         then_refresh(create_btn.click(h.create_project, [view, new_title, new_kind, new_premise],
@@ -941,9 +981,10 @@ def build_ui(ctx: StudioContext) -> gr.Blocks:
         then_refresh(del_proj_yes.click(h.delete_project, [view], project_outs + [del_proj_confirm],
                                         api_name="delete_project", **navigate))
 
-        opened = chapters_radio.input(h.open_chapter, [view, chapters_radio], chapter_outs, api_name="open_chapter",
-                                      trigger_mode="multiple", **navigate)
-        then_refresh(opened).then(h.revisions, [view], revision_outs, api_visibility="private", **quiet)
+        opened = chapters_radio.input(h.open_chapter, [view, chapters_radio, page_pick], chapter_outs,
+                                      api_name="open_chapter", js=PICK_JS, trigger_mode="multiple", **navigate)
+        then_refresh(opened.then(None, None, None, js=PICKED_JS)).then(h.revisions, [view], revision_outs,
+                                                                       api_visibility="private", **quiet)
         revisions_acc.expand(h.revisions, [view], revision_outs, api_name="revisions")
         revision_pick.input(h.show_revision, [view, revision_pick], [revision_text, revision_diff],
                             api_name="show_revision")

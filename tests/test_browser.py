@@ -58,7 +58,7 @@ def page(browser, server):
     # after it left, the message's prefix); those are set aside at the end, whenever the page reports them
     page.server_away = None
     page.goto(server.url)
-    page.wait_for_selector("#chapter-list")
+    page.wait_for_function("window.tsLoaded === true")  # the page-load handler has answered (ui.LOADED_JS)
     yield page
     context.close()
     if page.server_away is not None:
@@ -161,7 +161,7 @@ def test_write_generate_stop_reload(page, server):
     shot(page, "04-stopped")
 
     page.reload()
-    page.wait_for_selector("#chapter-list")
+    page.wait_for_function("window.tsLoaded === true")
     wait_text(page, lambda t: t == stopped, "the same text after a reload", timeout_s=30)
     assert page.locator("#premise textarea").input_value().endswith("Storms, secrets, the sea.")
     assert page.locator("#instructions textarea").input_value() == "The first letter arrives."

@@ -1,11 +1,12 @@
 """The chapter text's live updates never replace what the writer types (app.live with the page's text digest): the
 text goes to the page exactly when the page holds something else than it should, unless that is the writer's own
-typing; a stale response that landed last is repaired by the next poll."""
+typing; a stale response that landed last is repaired by the next poll. The chapter list's pick the same way: never
+moved while the writer's own pick is on its way."""
 from __future__ import annotations
 
 import storage
 from app import live
-from app.live import LiveCache, View, text_digest
+from app.live import LiveCache, PageChapter, View, text_digest
 
 
 def book(db):
@@ -66,3 +67,39 @@ def test_an_api_caller_without_a_digest_gets_changes_and_resends(db):
     assert live.poll_write(db, view, cache, now=5.0).text is None
     storage.set_chapter_text(db, chapter.id, "Changed.")
     assert live.poll_write(db, view, cache, now=6.0).text == ("Changed.", True)
+
+
+def test_the_writers_pick_is_never_moved_while_it_is_on_its_way(db):
+    view, chapter, other = book(db)
+    cache = LiveCache()
+    # A fresh page: nothing picked yet; the list and its pick are sent.
+    up = live.poll_write(db, view, cache, now=0.0, page=PageChapter(None, pending=False))
+    assert [c for _, c in up.chapters] == [chapter.id, other.id] and up.select and up.selected == chapter.id
+    # The page shows the server's pick: the list is resent for a while, never the pick, which would undo a click
+    # made while the response was on its way.
+    up = live.poll_write(db, view, cache, now=0.5, page=PageChapter(chapter.id, pending=False))
+    assert up.chapters is not None and not up.select
+    # The writer picked the other chapter; the server has not opened it yet: the page's pick stays.
+    assert not live.poll_write(db, view, cache, now=1.0, page=PageChapter(other.id, pending=True)).select
+    # Answered (the page's pick is no longer pending) and opened: nothing to move.
+    view.chapter_id = other.id
+    up = live.poll_write(db, view, cache, now=1.5, page=PageChapter(other.id, pending=False))
+    assert up.chapters is not None and not up.select
+    # An older response landed last and shows the first chapter picked: the next poll puts the server's back.
+    up = live.poll_write(db, view, cache, now=5.0, page=PageChapter(chapter.id, pending=False))
+    assert up.chapters is None and up.select and up.selected == other.id
+    # The open chapter deleted elsewhere: the page's pick is cleared.
+    storage.delete_chapter(db, other.id)
+    up = live.poll_write(db, view, cache, now=6.0, page=PageChapter(other.id, pending=False))
+    assert [c for _, c in up.chapters] == [chapter.id] and up.select and up.selected is None
+
+
+def test_an_api_caller_gets_the_pick_with_the_list(db):
+    view, chapter, other = book(db)
+    cache = LiveCache()
+    up = live.poll_write(db, view, cache, now=0.0)
+    assert up.chapters is not None and up.select and up.selected == chapter.id
+    assert not live.poll_write(db, view, cache, now=5.0).select
+    view.chapter_id = other.id
+    up = live.poll_write(db, view, cache, now=6.0)
+    assert up.chapters is not None and up.select and up.selected == other.id
