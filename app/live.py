@@ -190,11 +190,11 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
     chapters = storage.list_chapters(db, view.project_id) if view.project_id is not None else []
     chapter = next((c for c in chapters if c.id == view.chapter_id), None)
     selected = chapter.id if chapter else None
-    if cache.due("chapters", tuple((c.id, c.title, c.status) for c in chapters) + (view.chapter_id,), now):
+    due = cache.due("chapters", tuple((c.id, c.title, c.status) for c in chapters) + (view.chapter_id,), now)
+    if due:
         up.chapters = [(views.chapter_label(i, c), c.id) for i, c in enumerate(chapters)]
-        up.select = page is None
-    if page is not None:
-        up.select = not page.pending and page.picked != selected
+    # the pick: with the list for an API caller; for a page, only where it shows another and has none on its way
+    up.select = due if page is None else not page.pending and page.picked != selected
     if up.select:
         up.selected = selected
     goal = None

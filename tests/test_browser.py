@@ -58,13 +58,19 @@ def page(browser, server):
     # after it left, the message's prefix); those are set aside at the end, whenever the page reports them
     page.server_away = None
     page.goto(server.url)
-    page.wait_for_function("window.tsLoaded === true")  # the page-load handler has answered (ui.LOADED_JS)
+    wait_loaded(page)
     yield page
     context.close()
     if page.server_away is not None:
         seen, absent = page.server_away
         errors[seen:] = [e for e in errors[seen:] if not e.startswith(absent)]
     assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def wait_loaded(page) -> None:
+    """Until the page-load handler has answered (ui.LOADED_JS): it opens what the browser had open, and closes the
+    new-project form once projects exist, so nothing is done on the page before it."""
+    page.wait_for_function("window.tsLoaded === true")
 
 
 def shot(page, name: str) -> None:
@@ -161,7 +167,7 @@ def test_write_generate_stop_reload(page, server):
     shot(page, "04-stopped")
 
     page.reload()
-    page.wait_for_function("window.tsLoaded === true")
+    wait_loaded(page)
     wait_text(page, lambda t: t == stopped, "the same text after a reload", timeout_s=30)
     assert page.locator("#premise textarea").input_value().endswith("Storms, secrets, the sea.")
     assert page.locator("#instructions textarea").input_value() == "The first letter arrives."

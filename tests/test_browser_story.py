@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_browser import TIMEOUT_MS, browser, expect, open_accordion, shot  # noqa: F401  (browser: a fixture)
+from test_browser import (  # noqa: F401  (browser: a fixture)
+    TIMEOUT_MS, browser, expect, open_accordion, shot, wait_loaded)
 from test_browser_writers import open_options
 
 import storage
@@ -63,7 +64,7 @@ def test_a_short_novel_with_summaries_reload_restore_and_export(browser, studio,
     page.on("pageerror", lambda e: errors.append(str(e)))
     try:
         page.goto(studio.url)
-        page.wait_for_function("window.tsLoaded === true")  # the page-load handler has answered (ui.LOADED_JS)
+        wait_loaded(page)
         page.locator("#new-title input, #new-title textarea").first.fill("The Keeper")
         page.locator("#new-premise textarea").fill("A lighthouse keeper on a remote island finds a message in a "
                                                    "bottle from her missing brother, and sets out to find him.")
@@ -107,7 +108,7 @@ def test_a_short_novel_with_summaries_reload_restore_and_export(browser, studio,
         # A reload shows the same: the open chapter's summary, and every summary in the Story bible.
         third_summary = summary.input_value()
         page.reload()
-        page.wait_for_function("window.tsLoaded === true")
+        wait_loaded(page)
         open_accordion(page, "summary-box", "Summary (story so far)")
         expect(page.locator("#chapter-summary textarea")).to_have_value(third_summary, timeout=TIMEOUT_MS)
         page.get_by_role("tab", name="Story bible").click()
