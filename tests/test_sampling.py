@@ -135,6 +135,31 @@ def test_the_native_draw_is_the_processed_distributions_on_real_logits(smol_engi
         assert sampler.draw(row, window, position) == expected, position
 
 
+@pytest.mark.parametrize("settings", [
+    PRESETS["studio"], PRESETS["paper"], PRESETS["greedy"], PRESETS["studio"].with_(temperature=20.0, top_p=0.99),
+], ids=["studio", "paper", "greedy", "flat"])
+def test_the_native_draw_is_the_same_on_any_number_of_threads(smol_engine, settings) -> None:
+    """The draw's passes over the vocabulary are shared by the threads (kernels/cpu.cpp: for_blocks), each block's
+    sums taken alone and added in block order: one thread and two draw the same token from every row, the real
+    model's and rows whose top-p boundary lies among ties or far down the tail."""
+    assert kernel() is not None, "the CPU kernels did not build"
+    model = smol_engine.model
+    ids = smol_engine.tokenizer.encode("The old lighthouse keeper climbed the stairs, and at the top he found")
+    logits, _ = model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids)))
+    rows = torch.cat([logits, nucleus_rows(model.cfg.vocab_size)[0]])
+    sampler = Sampler(settings, model.cfg.vocab_size)
+    threads = torch.get_num_threads()
+    drawn = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            drawn[n] = [sampler.draw(rows[p % len(rows)], torch.tensor(ids[: p % len(ids) + 1]), p) for p in range(200)]
+    finally:
+        torch.set_num_threads(threads)
+    assert drawn[1] == drawn[2]
+    assert len(set(drawn[2])) > (1 if settings.greedy else 20)  # (rows drawn from, not one token repeated)
+
+
 def test_greedy_is_argmax_of_penalised_logits() -> None:
     logits = torch.tensor([[3.0, 2.9, 1.0]])
     s = SamplingSettings(temperature=0, penalty=1.1, penalty_window=4)

@@ -1540,27 +1540,68 @@ int64_t append_at_least(const float* e, int64_t n, int64_t first, float lo, floa
   return count;
 }
 
+// A draw's passes over the vocabulary go in blocks of kDrawBlock ids, the blocks in contiguous runs over the threads
+// (each reads the logits its own core wrote, the lm_head being split so): a block's result never depends on the
+// split, and the blocks' results are combined in block order, so a draw is the same on any number of threads.
+constexpr int64_t kDrawBlock = 1024;
+
+template <typename F>
+void for_blocks(int64_t n, const F& f) {
+  const int64_t blocks = (n + kDrawBlock - 1) / kDrawBlock;
+  // (a drafter's few thousand scores are not worth waking a thread for)
+  const int threads = blocks < 8 ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t b = 0; b < blocks; ++b) f(b, b * kDrawBlock, std::min(kDrawBlock, n - b * kDrawBlock));
+}
+
+// The largest of v[0 .. n) (-inf for none), over the threads.
+float max_of_blocks(const float* v, int64_t n) {
+  thread_local std::vector<float> parts;  // (named through a pointer: a lambda sees each thread's own thread_local)
+  parts.resize((n + kDrawBlock - 1) / kDrawBlock);
+  float* pp = parts.data();
+  for_blocks(n, [=](int64_t b, int64_t first, int64_t len) { pp[b] = max_of(v + first, len); });
+  float m = -std::numeric_limits<float>::infinity();
+  for (const float x : parts) m = x > m ? x : m;
+  return m;
+}
+
 // e[i] = exp(v[i] - m) for the scores v[0 .. n) (0 for a filtered one, -inf): the tokens with e[i] >= lo, in id
-// order, their e into ce and ids into ci (both resized); returns how many, and with `total` the sum of every e[i].
-// In blocks that stay in L1, so the vocabulary's e are never written out whole.
+// order, their e into ce and ids into ci (both resized); returns how many, and with `total` the sum of every e[i]
+// (each block's sum, added in block order). Over the threads, in blocks that stay in L1, so the vocabulary's e are
+// never written out whole: each block's tokens go to a stretch of its own (with the slack append_at_least writes
+// into), then are moved up behind the previous blocks'.
 int64_t exp_at_least(const float* v, int64_t n, float m, float lo, std::vector<float>& ce, std::vector<int32_t>& ci,
                      float* total = nullptr) {
-  constexpr int64_t kBlock = 1024;
-  alignas(64) float e[kBlock];
-  ce.resize(n + 16);
-  ci.resize(n + 16);
-  int64_t count = 0;
-  float sum = 0.0f;
-  for (int64_t first = 0; first < n; first += kBlock) {
-    const int64_t len = std::min(kBlock, n - first);
+  const int64_t blocks = (n + kDrawBlock - 1) / kDrawBlock, stretch = kDrawBlock + 16;
+  ce.resize(blocks * stretch);
+  ci.resize(blocks * stretch);
+  thread_local std::vector<float> parts;
+  thread_local std::vector<int64_t> counts;
+  parts.resize(blocks);
+  counts.resize(blocks);
+  float* pp = parts.data();
+  int64_t* cp = counts.data();
+  float* cep = ce.data();
+  int32_t* cip = ci.data();
+  for_blocks(n, [=](int64_t b, int64_t first, int64_t len) {
+    alignas(64) float e[kDrawBlock];
     float part = 0.0f;
+    const float* x = v + first;
 #pragma omp simd reduction(+ : part)
     for (int64_t i = 0; i < len; ++i) {
-      e[i] = exp_nonpositive(v[first + i] - m);
+      e[i] = exp_nonpositive(x[i] - m);
       part += e[i];
     }
-    sum += part;
-    count = append_at_least(e, len, first, lo, ce.data(), ci.data(), count);
+    pp[b] = part;
+    cp[b] = append_at_least(e, len, first, lo, cep + b * stretch, cip + b * stretch, 0);
+  });
+  int64_t count = 0;
+  float sum = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    sum += pp[b];
+    std::memmove(cep + count, cep + b * stretch, cp[b] * sizeof(float));
+    std::memmove(cip + count, cip + b * stretch, cp[b] * sizeof(int32_t));
+    count += cp[b];
   }
   if (total != nullptr) *total = sum;
   return count;
@@ -1586,7 +1627,7 @@ bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
       if (v[i] < kth) v[i] = ninf;
   }
   if (top_p < 1.0) {
-    const float m = max_of(v, vocab);
+    const float m = max_of_blocks(v, vocab);
     // The nucleus: the shortest prefix of the tokens ranked by (e desc, id asc) whose mass reaches top_p of the
     // whole, among the tokens with e >= 1e-6 (the top token has e = 1) when their mass reaches the goal, as it nearly
     // always does, else among every token. A positive float's bits rank it, so the tokens fall into buckets by their
@@ -1662,9 +1703,11 @@ bool filter_scores(float* v, int64_t vocab, double temperature, double top_p, in
     for (const auto& [id, score] : partial) v[id] = score;
   }
   if (min_p > 0.0) {  // p_i < min_p * p_max, that is exp(v_i - max) < min_p
-    const float m = max_of(v, vocab);
-    for (int64_t i = 0; i < vocab; ++i)
-      if (exp_nonpositive(v[i] - m) < static_cast<float>(min_p)) v[i] = ninf;
+    const float m = max_of_blocks(v, vocab), floor = static_cast<float>(min_p);
+    for_blocks(vocab, [=](int64_t, int64_t first, int64_t len) {
+      for (int64_t i = first; i < first + len; ++i)
+        if (exp_nonpositive(v[i] - m) < floor) v[i] = ninf;
+    });
   }
   return false;
 }
@@ -1718,21 +1761,24 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
   thread_local std::vector<float> v;
   v.resize(vocab);
   float* vp = v.data();
-  if (greedy) {
-    std::copy(lp, lp + vocab, vp);
-  } else {
+  for_blocks(vocab, [=](int64_t, int64_t first, int64_t len) {
+    if (greedy) {
+      std::copy(lp + first, lp + first + len, vp + first);
+    } else {
 #pragma omp simd
-    for (int64_t i = 0; i < vocab; ++i) vp[i] = lp[i] / t;
-  }
+      for (int64_t i = first; i < first + len; ++i) vp[i] = lp[i] / t;
+    }
+  });
   if (penalty != 1.0 && window.numel() > 0) {
     auto wc = window.contiguous();
     const int64_t* wp = wc.data_ptr<int64_t>();
     const float theta = static_cast<float>(penalty);
     thread_local std::vector<uint8_t> seen;  // each distinct id of the window is penalised once
     seen.resize(vocab);
+    for (int64_t j = 0; j < wc.numel(); ++j)  // all checked before any is marked: a refused window leaves `seen` clear
+      TORCH_CHECK(0 <= wp[j] && wp[j] < vocab, "draw: window id ", wp[j], " outside 0..", vocab - 1);
     for (int64_t j = 0; j < wc.numel(); ++j) {
       const int64_t id = wp[j];
-      TORCH_CHECK(0 <= id && id < vocab, "draw: window id ", id, " outside 0..", vocab - 1);
       if (seen[id]) continue;
       seen[id] = 1;
       const float x = lp[id] > 0.0f ? lp[id] / theta : lp[id] * theta;
@@ -1743,7 +1789,7 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
   auto bc = banned.contiguous();
   for (int64_t i = 0; i < bc.numel(); ++i) vp[bc.data_ptr<int64_t>()[i]] = ninf;
   if (greedy) {  // the first of the largest scores (none: every token banned)
-    const float m = max_of(v.data(), vocab);
+    const float m = max_of_blocks(v.data(), vocab);
     return m == ninf ? -1 : first_equal(v.data(), vocab, m);
   }
   const uint64_t k64 = static_cast<uint64_t>(key);
@@ -1776,19 +1822,36 @@ void rank_row(float* v, int64_t n, const int64_t* idp, const std::vector<int64_t
     filter_scores(v, n, temperature, top_p, top_k, min_p);
     for_each_finite(v, n, [&](int64_t j) { v[j] += gumbel(key, token(j)); });
   }
+  // Only the survivors are exponentiated and ranked: the filters leave a few dozen of a head's thousands of columns.
   const float m = max_of(v, n);
-  double sum = 0.0;
-  for (int64_t j = 0; j < n; ++j) {
-    v[j] = m == ninf ? 0.0f : std::exp(v[j] - m);  // exp(-inf) = 0: a filtered column
-    sum += v[j];
+  thread_local std::vector<int32_t> alive;  // the columns with a chance, in column order
+  alive.clear();
+  double sum = 0.0;  // in column order, as a sum over every column (a filtered one adds 0)
+  if (m != ninf)
+    for_each_finite(v, n, [&](int64_t j) {
+      v[j] = std::exp(v[j] - m);
+      sum += v[j];
+      if (v[j] > 0.0f) alive.push_back(static_cast<int32_t>(j));
+    });
+  const int64_t ranked = std::min<int64_t>(k, static_cast<int64_t>(alive.size()));
+  std::partial_sort(alive.begin(), alive.begin() + ranked, alive.end(),
+                    [&](int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+  for (int64_t i = 0; i < ranked; ++i) {
+    ids[i] = token(alive[i]);
+    p[i] = static_cast<float>(v[alive[i]] / sum);
   }
-  std::vector<int64_t> order(n);
-  for (int64_t j = 0; j < n; ++j) order[j] = j;
-  std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                    [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
-  for (int64_t i = 0; i < k; ++i) {
-    ids[i] = token(order[i]);
-    p[i] = sum > 0.0 ? static_cast<float>(v[order[i]] / sum) : 0.0f;
+  if (ranked == k) return;
+  // then the columns with no chance, in column order (every survivor is ranked by now)
+  std::sort(alive.begin(), alive.end());
+  int64_t i = ranked;
+  auto next = alive.begin();
+  for (int64_t j = 0; j < n && i < k; ++j) {
+    if (next != alive.end() && *next == j) {
+      ++next;
+      continue;
+    }
+    ids[i] = token(j);
+    p[i++] = 0.0f;
   }
 }
 
