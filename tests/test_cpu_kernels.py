@@ -420,9 +420,7 @@ def test_a_forward_in_one_call_gives_the_floats_of_its_parts(tiny_dir: Path, wei
         for split in (False, True):
             c = model.new_cache(64)
             if split:  # the parts: the embedding module's rows given to the stack, the final norm and lm_head after
-                args = list(model._native_args)
-                args[3] = ([], [])  # no table: the stack takes x from the module
-                model._native_args = tuple(args)
+                model.bind_stack(with_table=False)  # the stack takes x from the module
                 first_h = model.hidden(ids, torch.arange(40), c)
                 last = model.logits(first_h[-1:])
                 c.commit()

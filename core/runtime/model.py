@@ -270,7 +270,7 @@ class Transformer(nn.Module):
         self.native = False  # set by to_native
         self.bf16_activations = False  # a native model rounding its activations to bf16 (to_native)
         self.kv_dtype: torch.dtype | None = None  # the KV cache's dtype if set (else cache_dtype's default)
-        self._native_args: tuple | None = None  # the stack's weights and embedding table, listed (_native_stack)
+        self._native_args: tuple | None = None  # the stack's weights bound in the kernels (bind_stack)
 
     @property
     def device(self) -> torch.device:
@@ -386,40 +386,45 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache, i, seen)
         return x
 
+    def bind_stack(self, with_table: bool = True) -> None:
+        """Bind the stack's weights in our CPU kernels once (kernels/cpu.cpp: Stack), with the packed embedding table
+        (unless `with_table` is False: the embedding module looks the tokens up) and the lm_head where they are
+        packed: a forward then passes only its inputs, not the weights' few hundred tensors."""
+        cfg = self.cfg
+        norms = [w.contiguous() for block in self.layers for w in (block.attn_norm.weight, block.mlp_norm.weight)]
+        lin, meta = NativeLinear.listed(
+            layer for block in self.layers for layer in (block.wqkv, block.wo, block.w_gate_up, block.w_down))
+        table: list[Tensor] = []
+        table_meta: list[int] = []
+        if with_table and isinstance(self.embed, NativeEmbedding):
+            code, data, d, m, _, n = self.embed.table.kernel_args()
+            table, table_meta = [data, d, m], [code, n]
+        native_head = isinstance(self.lm_head, NativeLinear)
+        head, head_meta = NativeLinear.listed([self.lm_head]) if native_head else ([], [])
+        stack = cpu.kernel().Stack(norms, lin, meta, table, table_meta, head, head_meta, self.norm.weight,
+                                   cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps, cfg.head_dim**-0.5,
+                                   self.bf16_activations, native_head and self.lm_head.bf16_out)
+        none = tuple(torch.empty(0, dtype=t) for t in (torch.float32, torch.long, torch.bool))
+        self._native_args = (stack, bool(table), none)
+
     def _native_stack(self, tokens: Tensor, positions: Tensor, cache: KVCache, block_mask: Tensor | None,
                       logits_from: int | None = None) -> list[Tensor]:
-        """The decoder stack in one call of our CPU kernels (kernels/cpu.cpp: decoder), keys and values written into
-        the cache at its committed length; in bf16 mode rounding as a bf16 model does. The kernel looks up the
-        tokens' embeddings in a packed table and their rotary rows by position itself, and with `logits_from` it
-        also takes the final norm and the lm_head of the rows from there on: a forward calls no operator around it.
-        Returns [hidden states] or [hidden states, logits]."""
-        cfg = self.cfg
+        """The decoder stack in one call of our CPU kernels (kernels/cpu.cpp: Stack.forward, its weights bound once:
+        bind_stack), keys and values written into the cache at its committed length; in bf16 mode rounding as a bf16
+        model does. The kernel looks up the tokens' embeddings in a packed table and their rotary rows by position
+        itself, and with `logits_from` it also takes the final norm and the lm_head of the rows from there on: a
+        forward calls no operator around it. Returns [hidden states] or [hidden states, logits]."""
         if self._native_args is None:
-            norms = [w.contiguous() for block in self.layers for w in (block.attn_norm.weight, block.mlp_norm.weight)]
-            lin, meta = NativeLinear.listed(
-                layer for block in self.layers for layer in (block.wqkv, block.wo, block.w_gate_up, block.w_down))
-            table: tuple[list[Tensor], list[int]] = ([], [])
-            if isinstance(self.embed, NativeEmbedding):
-                code, data, d, m, _, n = self.embed.table.kernel_args()
-                table = ([data, d, m], [code, n])
-            native_head = isinstance(self.lm_head, NativeLinear)
-            head, head_meta = NativeLinear.listed([self.lm_head]) if native_head else ([], [])
-            none = tuple(torch.empty(0, dtype=t) for t in (torch.float32, torch.long, torch.bool))
-            self._native_args = (norms, lin, meta, table, (head, head_meta), none)
-        norms, lin, meta, table, (head, head_meta), (no_x, no_tokens, no_mask) = self._native_args
-        if table[0]:
+            self.bind_stack()
+        stack, with_table, (no_x, no_tokens, no_mask) = self._native_args
+        if with_table:
             x, ids = no_x, tokens
         else:
             x, ids = self.embed(tokens).float().contiguous(), no_tokens
         visible = block_mask.contiguous() if block_mask is not None else no_mask
         cos, sin = self.rope_table(cache.k.shape[2])  # a row for every position the cache holds
-        if logits_from is None:
-            head, head_meta, logits_from = [], [], 0
-        return cpu.kernel().decoder(x, ids, *table, cos, sin, positions, cache.k.transpose(2, 3), cache.v,
-                                    cache.length, visible, cfg.sliding_window or 0, norms, lin, meta, cfg.n_heads,
-                                    cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps, cfg.head_dim**-0.5,
-                                    self.bf16_activations, head, head_meta, self.norm.weight, logits_from,
-                                    bool(head) and self.lm_head.bf16_out)
+        return stack.forward(x, ids, cos, sin, positions, cache.k.transpose(2, 3), cache.v, cache.length, visible,
+                             self.cfg.sliding_window or 0, -1 if logits_from is None else logits_from)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Next-token logits (fp32) from pre-final-norm hidden states. A native model takes the final norm on the

@@ -2055,33 +2055,14 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 template <int D, typename E>
 void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int64_t* pos, torch::Tensor kc,
                 torch::Tensor vc, int64_t past, torch::Tensor vis, int64_t window,
-                const std::vector<torch::Tensor>& norms,
-                const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta, int64_t n_heads, int64_t n_kv,
+                const std::vector<const float*>& norm_w, const std::vector<Linear>& Ls, int64_t n_heads, int64_t n_kv,
                 double eps, double scale, bool bf16, const Linear* head, const float* final_w, int64_t first,
                 bool head_bf16, float* logits) {
-  const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norms.size()) / 2;
+  const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norm_w.size()) / 2;
   const int64_t G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D, ld = q_dim + 2 * kv_dim;
-  TORCH_CHECK(static_cast<int64_t>(lin.size()) == layers * 16 && static_cast<int64_t>(meta.size()) == layers * 8,
-              "decoder: 4 linear layers per layer");
   TORCH_CHECK(kc.size(0) >= layers && kc.size(3) >= past + n && vc.size(2) >= past + n, "decoder: cache too small");
   TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && vc.stride(2) == D,
               "decoder: keys stored transposed, values by row");
-  // Everything a layer reads is found and checked here: nothing in the parallel region below may throw.
-  std::vector<Linear> Ls(layers * 4);
-  std::vector<const float*> norm_w(layers * 2);
-  for (int64_t l = 0; l < layers; ++l) {
-    for (int j = 0; j < 4; ++j) {
-      const int64_t at_ = (l * 4 + j) * 4;
-      const int64_t k_in = j == 0 || j == 2 ? H : (j == 1 ? q_dim : meta[(l * 4 + 2) * 2 + 1] / 2);
-      Ls[l * 4 + j] = linear_from(meta[(l * 4 + j) * 2], lin[at_], lin[at_ + 1], lin[at_ + 2], lin[at_ + 3],
-                                  meta[(l * 4 + j) * 2 + 1], k_in);
-    }
-    for (int j = 0; j < 2; ++j) {
-      TORCH_CHECK(norms[l * 2 + j].scalar_type() == at::kFloat && norms[l * 2 + j].is_contiguous() &&
-                  norms[l * 2 + j].numel() == H, "decoder: norm weights float32 [hidden]");
-      norm_w[l * 2 + j] = norms[l * 2 + j].data_ptr<float>();
-    }
-  }
   auto cs = cos.contiguous(), sn = sin.contiguous();
   const float* cp = cs.data_ptr<float>();
   const float* sp = sn.data_ptr<float>();
@@ -2184,57 +2165,110 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   }
 }
 
-// The decoder stack over n new tokens: their embeddings, looked up here in the packed `table` (its tensors and its
-// (format, rows)) when `tokens` holds their ids, else given as x [n, hidden]; each token's rotary rows are rows
-// positions[i] of the tables cos and sin [P, head_dim]. Returns the hidden states [n, hidden] (x, where given) and,
-// with `head` (the lm_head as (packed, scales, mins, bias), `head_meta` its (format, outputs)), the logits [n - first,
-// outputs] of the rows from `first` on: the final norm (weights `final_norm`) and the lm_head in the same threads.
-std::vector<torch::Tensor> decoder(torch::Tensor x, torch::Tensor tokens, std::vector<torch::Tensor> table,
-                                   std::vector<int64_t> table_meta, torch::Tensor cos, torch::Tensor sin,
-                                   torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, int64_t past,
-                                   torch::Tensor vis, int64_t window, std::vector<torch::Tensor> norms,
-                                   std::vector<torch::Tensor> lin, std::vector<int64_t> meta, int64_t n_heads,
-                                   int64_t n_kv, int64_t head_dim, double eps, double scale, bool bf16,
-                                   std::vector<torch::Tensor> head, std::vector<int64_t> head_meta,
-                                   torch::Tensor final_norm, int64_t first, bool head_bf16) {
-  TORCH_CHECK(!norms.empty(), "decoder: no layers");
-  const int64_t H = norms[0].numel();
-  if (tokens.numel() > 0) {
-    TORCH_CHECK(table.size() == 3 && table_meta.size() == 2, "decoder: the table as (packed, scales, mins)");
-    const Linear L = linear_from(table_meta[0], table[0], table[1], table[2], torch::Tensor(), table_meta[1], H);
-    x = embed_of(L, tokens.reshape(-1), "decoder");
+// A decoder stack's weights, found and checked once (core/runtime/model.py: Transformer._native_stack): `norms` two
+// weights per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format, n) per
+// linear layer, four linear layers per layer (qkv, o, gate/up, down); the embedding `table` as (packed, scales, mins)
+// and its (format, rows), or none; the lm_head as (packed, scales, mins, bias) and its (format, outputs), or none,
+// with the final norm's weights. A forward then passes only its inputs: converting and checking the weights' few
+// hundred tensors on every call cost more, between two forwards with the caches cold, than a layer's work.
+class Stack {
+ public:
+  Stack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> lin, std::vector<int64_t> meta,
+        std::vector<torch::Tensor> table, std::vector<int64_t> table_meta, std::vector<torch::Tensor> head,
+        std::vector<int64_t> head_meta, torch::Tensor final_norm, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+        double eps, double scale, bool bf16, bool head_bf16)
+      : n_heads_(n_heads), n_kv_(n_kv), head_dim_(head_dim), eps_(eps), scale_(scale), bf16_(bf16),
+        head_bf16_(head_bf16) {
+    TORCH_CHECK(!norms.empty() && norms.size() % 2 == 0, "decoder: two norms per layer");
+    const int64_t layers = static_cast<int64_t>(norms.size()) / 2, q_dim = n_heads * head_dim;
+    H_ = norms[0].numel();
+    TORCH_CHECK(static_cast<int64_t>(lin.size()) == layers * 16 && static_cast<int64_t>(meta.size()) == layers * 8,
+                "decoder: 4 linear layers per layer");
+    layers_.resize(layers * 4);
+    norm_w_.resize(layers * 2);
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int j = 0; j < 4; ++j) {
+        const int64_t at_ = (l * 4 + j) * 4;
+        const int64_t k_in = j == 0 || j == 2 ? H_ : (j == 1 ? q_dim : meta[(l * 4 + 2) * 2 + 1] / 2);
+        layers_[l * 4 + j] = linear_from(meta[(l * 4 + j) * 2], lin[at_], lin[at_ + 1], lin[at_ + 2], lin[at_ + 3],
+                                         meta[(l * 4 + j) * 2 + 1], k_in);
+      }
+      for (int j = 0; j < 2; ++j) {
+        const torch::Tensor& w = norms[l * 2 + j];
+        TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == H_,
+                    "decoder: norm weights float32 [hidden]");
+        norm_w_[l * 2 + j] = w.data_ptr<float>();
+      }
+    }
+    if (!table.empty()) {
+      TORCH_CHECK(table.size() == 3 && table_meta.size() == 2, "decoder: the table as (packed, scales, mins)");
+      table_ = linear_from(table_meta[0], table[0], table[1], table[2], torch::Tensor(), table_meta[1], H_);
+      has_table_ = true;
+    }
+    if (!head.empty()) {
+      TORCH_CHECK(head.size() == 4 && head_meta.size() == 2, "decoder: the lm_head as (packed, scales, mins, bias)");
+      TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() && final_norm.numel() == H_,
+                  "decoder: final norm weights float32 [hidden]");
+      head_ = linear_from(head_meta[0], head[0], head[1], head[2], head[3], head_meta[1], H_);
+      final_w_ = final_norm.data_ptr<float>();
+      has_head_ = true;
+    }
+    // held, so the pointers above stay valid for the object's life
+    for (auto* group : {&norms, &lin, &table, &head}) held_.insert(held_.end(), group->begin(), group->end());
+    held_.push_back(final_norm);
   }
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == H,
-              "decoder: x float32 [n, hidden]");
-  const int64_t n = x.size(0);
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == n, "decoder: one position a token");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "decoder: rotary tables [P, D]");
-  auto pc = positions.contiguous();
-  const int64_t* pos = pc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(0 <= pos[i] && pos[i] < cos.size(0), "decoder: position ", pos[i], " outside the rotary table");
-  Linear lm_head;
-  torch::Tensor logits;
-  const bool with_head = !head.empty();
-  if (with_head) {
-    TORCH_CHECK(head.size() == 4 && head_meta.size() == 2, "decoder: the lm_head as (packed, scales, mins, bias)");
-    TORCH_CHECK(0 <= first && first < n, "decoder: logits from row ", first, " of ", n);
-    TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() && final_norm.numel() == H,
-                "decoder: final norm weights float32 [hidden]");
-    lm_head = linear_from(head_meta[0], head[0], head[1], head[2], head[3], head_meta[1], H);
-    logits = torch::empty({n - first, lm_head.n}, torch::kFloat);
-  }
-  with_cache_type(kc, vc, "decoder", [&](auto c) {
-    with_head_size(head_dim, "decoder", [&](auto d) {
-      decoder_of<decltype(d)::value, decltype(c)>(
-          x, cos, sin, pos, kc, vc, past, vis, window, norms, lin, meta, n_heads, n_kv, eps, scale, bf16,
-          with_head ? &lm_head : nullptr, with_head ? final_norm.data_ptr<float>() : nullptr, first, head_bf16,
-          with_head ? logits.data_ptr<float>() : nullptr);
+
+  // The stack over n new tokens: their embeddings looked up in the table when `tokens` holds their ids (else given
+  // as x [n, hidden]); token i's rotary rows are rows positions[i] of cos and sin [P, head_dim]; keys and values
+  // written into kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] at slots past ..; new token i sees new token j
+  // where vis[i][j] (empty: causally); `window` a sliding window (0: none). Returns the hidden states [n, hidden] (x,
+  // where given) and, with `first` >= 0, the logits [n - first, outputs] of the rows from `first` on: the final
+  // norm and the lm_head in the same threads.
+  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor tokens, torch::Tensor cos, torch::Tensor sin,
+                                     torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, int64_t past,
+                                     torch::Tensor vis, int64_t window, int64_t first) const {
+    if (tokens.numel() > 0) {
+      TORCH_CHECK(has_table_, "decoder: token ids, but no embedding table");
+      x = embed_of(table_, tokens.reshape(-1), "decoder");
+    }
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == H_,
+                "decoder: x float32 [n, hidden]");
+    const int64_t n = x.size(0);
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == n, "decoder: one position a token");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_ && sin.sizes() == cos.sizes() &&
+                cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "decoder: rotary tables [P, D]");
+    auto pc = positions.contiguous();
+    const int64_t* pos = pc.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(0 <= pos[i] && pos[i] < cos.size(0), "decoder: position ", pos[i], " outside the rotary table");
+    const bool with_head = first >= 0;
+    torch::Tensor logits;
+    if (with_head) {
+      TORCH_CHECK(has_head_, "decoder: logits asked for, but no lm_head");
+      TORCH_CHECK(first < n, "decoder: logits from row ", first, " of ", n);
+      logits = torch::empty({n - first, head_.n}, torch::kFloat);
+    }
+    with_cache_type(kc, vc, "decoder", [&](auto c) {
+      with_head_size(head_dim_, "decoder", [&](auto d) {
+        decoder_of<decltype(d)::value, decltype(c)>(
+            x, cos, sin, pos, kc, vc, past, vis, window, norm_w_, layers_, n_heads_, n_kv_, eps_, scale_, bf16_,
+            with_head ? &head_ : nullptr, final_w_, std::max<int64_t>(first, 0), head_bf16_,
+            with_head ? logits.data_ptr<float>() : nullptr);
+      });
     });
-  });
-  return with_head ? std::vector<torch::Tensor>{x, logits} : std::vector<torch::Tensor>{x};
-}
+    return with_head ? std::vector<torch::Tensor>{x, logits} : std::vector<torch::Tensor>{x};
+  }
+
+ private:
+  int64_t H_ = 0, n_heads_, n_kv_, head_dim_;
+  double eps_, scale_;
+  bool bf16_, head_bf16_, has_table_ = false, has_head_ = false;
+  std::vector<Linear> layers_;  // four per layer
+  std::vector<const float*> norm_w_;  // two per layer
+  Linear table_{}, head_{};
+  const float* final_w_ = nullptr;
+  std::vector<torch::Tensor> held_;
+};
 
 // The kept rows of a verified block moved into place in the cache, in every layer and head: row d of the block from
 // slot start + rows[d] to slot start + d, rows increasing (so no source is overwritten before it is read). k and v
@@ -2278,12 +2312,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("bf16") = false);
   m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row", py::arg("gu"), py::arg("bf16") = false);
-  m.def("decoder", &decoder, "a decoder stack over a block of new tokens", py::arg("x"), py::arg("tokens"),
-        py::arg("table"), py::arg("table_meta"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
-        py::arg("kc"), py::arg("vc"), py::arg("past"), py::arg("vis"), py::arg("window"),
-        py::arg("norms"), py::arg("lin"), py::arg("meta"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
-        py::arg("eps"), py::arg("scale"), py::arg("bf16"), py::arg("head"), py::arg("head_meta"),
-        py::arg("final_norm"), py::arg("first"), py::arg("head_bf16"));
+  py::class_<Stack>(m, "Stack", "a decoder stack's weights, found and checked once")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                    std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                    torch::Tensor, int64_t, int64_t, int64_t, double, double, bool, bool>(),
+           py::arg("norms"), py::arg("lin"), py::arg("meta"), py::arg("table"), py::arg("table_meta"),
+           py::arg("head"), py::arg("head_meta"), py::arg("final_norm"), py::arg("n_heads"), py::arg("n_kv"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("bf16"), py::arg("head_bf16"))
+      .def("forward", &Stack::forward, "the stack over a block of new tokens", py::arg("x"), py::arg("tokens"),
+           py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("kc"), py::arg("vc"), py::arg("past"),
+           py::arg("vis"), py::arg("window"), py::arg("first"));
   m.def("keep_rows", &keep_rows, "the kept rows of a verified block moved into place in the cache");
   m.def("draw", &draw, "the token drawn from one row of logits");
   m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
