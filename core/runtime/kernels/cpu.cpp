@@ -2046,12 +2046,12 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // A whole decoder stack over n new tokens, in place on x [n, hidden]: per layer RMSNorm, the fused QKV projection,
 // rotary embedding, the new keys and values written into the cache at slots past .. past + n - 1, attention, the
 // output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
-// residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers (fp32 or bf16); `norms`
-// holds two weights per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format,
-// n) per linear layer, four linear layers per layer (qkv, o, gate/up, down). With `bf16` the stack rounds to bf16
-// where a bf16 model does (round_bf16), x, cos and sin holding bf16 values. Token i's rotary rows are rows pos[i]
-// of cos and sin. With `head`, the final norm (weights final_w) and the lm_head of the rows from `first` on follow in
-// the same threads, into logits [n - first, head->n] (rounded to bf16 with head_bf16).
+// residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers (fp32 or bf16); `norm_w`
+// holds two norms' weights per layer and `Ls` four linear layers per layer (qkv, o, gate/up, down), found and
+// checked when the stack was bound (Stack), so nothing in the parallel region may throw. With `bf16` the stack
+// rounds to bf16 where a bf16 model does (round_bf16), x, cos and sin holding bf16 values. Token i's rotary rows are
+// rows pos[i] of cos and sin. With `head`, the final norm (weights final_w) and the lm_head of the rows from `first`
+// on follow in the same threads, into logits [n - first, head->n] (rounded to bf16 with head_bf16).
 template <int D, typename E>
 void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int64_t* pos, torch::Tensor kc,
                 torch::Tensor vc, int64_t past, torch::Tensor vis, int64_t window,
