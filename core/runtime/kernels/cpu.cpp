@@ -1840,19 +1840,12 @@ void rank_row(float* v, int64_t n, const int64_t* idp, const std::vector<int64_t
     ids[i] = token(alive[i]);
     p[i] = static_cast<float>(v[alive[i]] / sum);
   }
-  if (ranked == k) return;
-  // then the columns with no chance, in column order (every survivor is ranked by now)
-  std::sort(alive.begin(), alive.end());
-  int64_t i = ranked;
-  auto next = alive.begin();
-  for (int64_t j = 0; j < n && i < k; ++j) {
-    if (next != alive.end() && *next == j) {
-      ++next;
-      continue;
+  // then the columns with no chance (every survivor is ranked by now; only a survivor's v is above 0), in column order
+  for (int64_t j = 0, i = ranked; j < n && i < k; ++j)
+    if (!(v[j] > 0.0f)) {
+      ids[i] = token(j);
+      p[i++] = 0.0f;
     }
-    ids[i] = token(j);
-    p[i++] = 0.0f;
-  }
 }
 
 std::vector<int64_t> sorted_ids(const torch::Tensor& ids) {
@@ -2165,7 +2158,7 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   }
 }
 
-// A decoder stack's weights, found and checked once (core/runtime/model.py: Transformer._native_stack): `norms` two
+// A decoder stack's weights, found and checked once (core/runtime/model.py: Transformer.bind_stack): `norms` two
 // weights per layer, `lin` four tensors per linear layer (packed, scales, mins, bias) and `meta` (format, n) per
 // linear layer, four linear layers per layer (qkv, o, gate/up, down); the embedding `table` as (packed, scales, mins)
 // and its (format, rows), or none; the lm_head as (packed, scales, mins, bias) and its (format, outputs), or none,
