@@ -2305,7 +2305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm_rows, "RMSNorm of each row", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("bf16") = false);
   m.def("silu_gate", &silu_gate_rows, "silu(gate) * up of each row", py::arg("gu"), py::arg("bf16") = false);
-  py::class_<Stack>(m, "Stack", "a decoder stack's weights, found and checked once")
+  py::class_<Stack>(m, "Stack", "a decoder stack's weights, found and checked once", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     torch::Tensor, int64_t, int64_t, int64_t, double, double, bool, bool>(),
