@@ -157,7 +157,8 @@ def test_cost_curve_times_the_native_decoder_beside_pytorchs(tiny_model_dir: Pat
                "--sizes", "1,3", "--repeats", "3", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "| L | n | native q8_0 ms | native q8_0 ×n=1 | torch fp32 ms | torch fp32 ×n=1 |" in table
+    assert ("| L | n | native q8_0 ms | native q8_0 ×n=1 | arithmetic ms | least ×n=1 | torch fp32 ms | "
+            "torch fp32 ×n=1 |") in table
     assert "| 100 | 3 |" in table
     report = json.loads(out.read_text())
     rows = report["rows"]
@@ -182,6 +183,20 @@ def test_cost_curve_times_the_native_decoder_beside_pytorchs(tiny_model_dir: Pat
         assert r["floor_ms"] == pytest.approx((weights + kv) / (floor["read_gb_s"] * 1e9) * 1000, rel=0.06)
         assert 0 < r["achieved"]
     assert "q8_0" in report["weights"]
+    # the compute floor: the kernels' arithmetic for each (L, n), more keys costing more, and the least c(n) that
+    # it and the memory floor allow over the measured one-token step
+    arithmetic = {(r["context"], r["n"]): r for r in report["compute_floor"]}
+    assert set(arithmetic) == {(L, n) for L in (40, 100) for n in (1, 3)}
+    reads = {r["context"]: r["floor_ms"] for r in floor["rows"]}
+    for r in rows:
+        if r["mode"] != "native q8_0":
+            continue
+        a = arithmetic[(r["context"], r["n"])]
+        assert a["ms"] > 0
+        one = next(x["ms"] for x in rows if (x["mode"], x["context"], x["n"]) == (r["mode"], r["context"], 1))
+        assert a["least_vs_one"] == round(max(reads[r["context"]], a["ms"]) / one, 2)
+    for n in (1, 3):
+        assert arithmetic[(100, n)]["ms"] > arithmetic[(40, n)]["ms"]
 
 
 def test_cost_curve_refuses_contexts_beyond_the_model(tiny_model_dir: Path, capsys) -> None:

@@ -11,7 +11,8 @@ On a CPU it also prints each context's memory floor: a one-token step must read 
 keys and values once, so it cannot take less than those bytes over the rate at which this machine reads memory
 (timed between the forwards, as a sum over a buffer far larger than the caches; the median), and the share of that
 rate a one-token step achieves. A step near its floor leaves nothing to gain but reading fewer bytes; verifying more
-tokens per read is then all TokenSwift can add.
+tokens per read is then all TokenSwift can add. Our kernels' rows also get each (L, n)'s compute floor, their
+arithmetic alone (compute_floor.py), and the least c(n) the two floors allow over the measured one-token step.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from core.runtime.kv_cache import KVCache
 from core.runtime.loading import load_model
 from core.runtime.model import Transformer
 from core.runtime.weights import NativeLinear
+from core.tools.compute_floor import compute_floor
 from core.tools.hardware import hardware, run_report
 
 
@@ -158,18 +160,38 @@ def memory_floor(model: Transformer, rows: list[dict[str, Any]], mode: str, cont
     return out
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], arithmetic: list[dict[str, Any]] | None = None) -> str:
+    """The timings as a table, with the compute floor's columns (least_vs_one's rows) after the first mode's."""
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    header = "| L | n | " + " | ".join(f"{m} ms | {m} ×n=1" for m in modes) + " |"
-    lines = [header, "|" + "---|" * (2 + 2 * len(modes))]
+    names = [f"{m} ms | {m} ×n=1" + (" | arithmetic ms | least ×n=1" if arithmetic and i == 0 else "")
+             for i, m in enumerate(modes)]
+    header = "| L | n | " + " | ".join(names) + " |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for context in sorted({r["context"] for r in rows}):
         for n in sorted({r["n"] for r in rows}):
             cells = []
-            for m in modes:
+            for i, m in enumerate(modes):
                 r = next(x for x in rows if (x["mode"], x["context"], x["n"]) == (m, context, n))
                 cells += [f"{r['ms']:.1f}", f"{r['vs_one']:.2f}" if r["vs_one"] else "–"]
+                if arithmetic and i == 0:
+                    f = next(x for x in arithmetic if (x["context"], x["n"]) == (context, n))
+                    cells += [f"{f['ms']:.1f}", f"{f['least_vs_one']:.2f}" if f["least_vs_one"] else "–"]
             lines.append(f"| {context} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def least_vs_one(rows: list[dict[str, Any]], mode: str, memory: list[dict[str, Any]],
+                 arithmetic: dict[tuple[int, int], float]) -> list[dict[str, Any]]:
+    """Per (L, n): the compute floor's milliseconds, and the least c(n) `mode`'s kernels allow on this CPU: a forward
+    of n tokens takes at least its memory floor and at least its arithmetic (compute_floor), over the measured
+    one-token step."""
+    out = []
+    for (L, n), ms in sorted(arithmetic.items()):
+        one = next((r["ms"] for r in rows if (r["mode"], r["context"], r["n"]) == (mode, L, 1)), None)
+        reads = next(r["floor_ms"] for r in memory if r["context"] == L)
+        out.append({"context": L, "n": n, "ms": float(f"{ms:.3g}"),
+                    "least_vs_one": round(max(reads, ms) / one, 2) if one else None})
+    return out
 
 
 def floor_line(floor: dict[str, Any]) -> str:
@@ -180,8 +202,9 @@ def floor_line(floor: dict[str, Any]) -> str:
 
 
 def report_markdown(report: dict[str, Any]) -> str:
-    """A saved run (the --json file) as the README shows it: command, machine, table, memory floor."""
-    text = run_report(report["command"], report["hardware"], markdown(report["rows"]))
+    """A saved run (the --json file) as the README shows it: command, machine, table (with the compute floor's
+    columns where the run has them), memory floor."""
+    text = run_report(report["command"], report["hardware"], markdown(report["rows"], report.get("compute_floor")))
     return text + (f"\n\n{floor_line(report['memory_floor'])}" if report.get("memory_floor") else "")
 
 
@@ -210,17 +233,22 @@ def run_cost_curve(args: argparse.Namespace) -> int:
         modes["torch fp32"] = (torch_model, lambda t, p, c, m: torch_model(t, p, c, m))
     read_rate = ReadRate() if engine.device.type == "cpu" else None
     rows = measure(modes, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), read_rate)
-    print(markdown(rows))
-    floor = None
+    floor = arithmetic = None
     if read_rate is not None:
         bandwidth = read_rate.median()
         first = next(iter(modes))
         floor = {"mode": first, "read_gb_s": round(bandwidth / 1e9, 1),
                  "rows": memory_floor(model, rows, first, contexts, bandwidth)}
+        if model.native:
+            print("timing the kernels' arithmetic on inputs in the caches …", file=sys.stderr)
+            arithmetic = least_vs_one(rows, first, floor["rows"], compute_floor(model, contexts, sizes))
+    print(markdown(rows, arithmetic))
+    if floor is not None:
         print("\n" + floor_line(floor))
     if args.json:
         report = {"command": args.command_line, "model": engine.loaded.name, "weights": engine.loaded.source,
-                  "hardware": hardware(), "repeats": args.repeats, "rows": rows, "memory_floor": floor}
+                  "hardware": hardware(), "repeats": args.repeats, "rows": rows, "memory_floor": floor,
+                  "compute_floor": arithmetic}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
