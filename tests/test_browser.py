@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,19 @@ def wait_loaded(page) -> None:
 
 
 def shot(page, name: str) -> None:
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    """A screenshot of the page for the artifacts (evidence, not an assertion). A full-page capture re-lays the page
+    out and once waited out the whole timeout on a page that had just reconnected to a restarted server (its text
+    and badges already checked): then the viewport alone, and a warning if even that cannot be taken."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    path = str(SHOTS / f"{name}.png")
+    try:
+        page.screenshot(path=path, full_page=True, timeout=30_000)
+    except PlaywrightTimeout:
+        try:
+            page.screenshot(path=path, timeout=30_000)
+        except PlaywrightTimeout:
+            warnings.warn(f"screenshot {name} timed out twice", stacklevel=2)
 
 
 def text_of(page) -> str:
