@@ -75,7 +75,7 @@ class DraftHeads(nn.Module):
         # "lm" / "root_lm": the model and the lm_head rows each scores there, a layer (native) or a weight [V', hidden]
         self._scorers: dict[str, tuple[Transformer, NativeLinear | Tensor]] = {}
         self.root_format: str | None = None  # the root head's own format on the kernels, if not its model's (to_native)
-        self._root_args: tuple[NativeLinear, tuple] | None = None  # (the rows scored, _native_root_args)
+        self._root_args: tuple[Transformer, NativeLinear, tuple] | None = None  # _native_root_args's, bound
 
     @classmethod
     def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None,
@@ -155,9 +155,9 @@ class DraftHeads(nn.Module):
         """The root head's pre-norm state [n, hidden] and its logits [n, len(root_ids)]. A chained root head
         (`root_chain` > 1) reads that state back with the token drafted from the logits, one level deeper."""
         assert self.root is not None, "these heads have no root head"
-        args = self._native_root_args(model)
-        if args is not None:  # one call of the kernels, the roots' embeddings looked up there too
-            return cpu.kernel().root_step(h0, roots, *args)
+        bound = self._native_root_args(model)
+        if bound is not None:  # one call of the kernels, the roots' embeddings looked up there too
+            return cpu.kernel().root_step(h0, roots, *bound[0])
         state = self.root(h0, model.embed(roots))
         return state, self._score(self.root.norm_out(state), self.scorer(model, "root_lm"))
 
@@ -166,10 +166,11 @@ class DraftHeads(nn.Module):
         """One drafted level: the root head's state [1, hidden] after h0 [1, hidden] and `token`, and its k most
         likely drafts for sequence `position` with their chances, ranked as the draw will draw there
         (Sampler.rank_drafts). On the kernels one call does both."""
+        bound = self._native_root_args(model)
+        if bound is not None:
+            args, ids = bound
+            return cpu.kernel().root_draft(h0, token, *args, ids, *sampler.ranking(position), k)
         assert self.root is not None, "these heads have no root head"
-        args = self._native_root_args(model)
-        if args is not None:
-            return cpu.kernel().root_draft(h0, token, *args, self.root_ids, *sampler.ranking(position), k)
         return self.ranked(*self.root_step(h0, torch.tensor([token], device=h0.device), model), sampler, k, position)
 
     def ranked(self, state: Tensor, logits: Tensor, sampler: Sampler, k: int,
@@ -179,19 +180,24 @@ class DraftHeads(nn.Module):
         ids, p = sampler.rank_drafts(logits, k, position, self.root_ids)
         return state, ids.tolist()[0], p.tolist()[0]
 
-    def _native_root_args(self, model: Transformer) -> tuple | None:
-        """The root head's weights as the kernels' root_step takes them after (h0, roots), listed once (it runs
-        every drafted level); None where the root head does not run on the kernels."""
+    def _native_root_args(self, model: Transformer) -> tuple[tuple, Tensor] | None:
+        """The root head's weights as the kernels' root_step takes them after (h0, roots), and the token ids it
+        scores, found once for `model` (it runs every drafted level, between forwards, where each check costs);
+        None where the root head does not run on the kernels."""
+        bound = self._root_args
+        if bound is not None and bound[0] is model and self._scorers.get("root_lm", (None, None))[1] is bound[1]:
+            return bound[2]  # the same model and the same scored rows (any change of them drops the entry)
+        assert self.root is not None, "these heads have no root head"
         rows = self.scorer(model, "root_lm")
         if not (isinstance(self.root.up, NativeLinear) and isinstance(rows, NativeLinear) and cpu.kernel() is not None
                 and isinstance(model.embed, NativeEmbedding) and not model.bf16_activations and not rows.bf16_out):
             return None
-        if self._root_args is None or self._root_args[0] is not rows:
-            lin, meta = NativeLinear.listed((self.root.up, self.root.down, rows))
-            code, data, d, m, bias, n = model.embed.table.kernel_args()
-            norms = [self.root.norm_h.weight, self.root.norm_e.weight, self.root.norm_out.weight]
-            self._root_args = (rows, (norms, self.root.norm_h.eps, lin + [data, d, m, bias], meta + [code, n]))
-        return self._root_args[1]
+        lin, meta = NativeLinear.listed((self.root.up, self.root.down, rows))
+        code, data, d, m, bias, n = model.embed.table.kernel_args()
+        norms = [self.root.norm_h.weight, self.root.norm_e.weight, self.root.norm_out.weight]
+        args = (norms, self.root.norm_h.eps, lin + [data, d, m, bias], meta + [code, n])
+        self._root_args = (model, rows, (args, self.root_ids))
+        return self._root_args[2]
 
     @staticmethod
     def _score(states: Tensor, rows: NativeLinear | Tensor) -> Tensor:
