@@ -75,7 +75,8 @@ class DraftHeads(nn.Module):
         # "lm" / "root_lm": the model and the lm_head rows each scores there, a layer (native) or a weight [V', hidden]
         self._scorers: dict[str, tuple[Transformer, NativeLinear | Tensor]] = {}
         self.root_format: str | None = None  # the root head's own format on the kernels, if not its model's (to_native)
-        self._root_args: tuple[Transformer, NativeLinear, tuple] | None = None  # _native_root_args's, bound
+        # (model, the rows it scores there, what _native_root_args gives for them): bound once, checked each level
+        self._root_args: tuple[Transformer, NativeLinear, tuple] | None = None
 
     @classmethod
     def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None,
