@@ -678,6 +678,58 @@ constexpr int64_t kChunk = 256;
 constexpr int kCacheToL2 = 2;
 constexpr int64_t kTile = 64;  // keys per score tile
 
+#if defined(__AVX512F__)
+// e^x on 16 lanes, for x <= 0 where `live` (0 elsewhere, and below kMinExp): 2^t with t = x log2 e = i + g, i =
+// round(t), |g| <= 1/2, 2^g from its Taylor series to degree 7 (relative error < 1e-8, under float rounding), scaled
+// by 2^i (vscalefps). Every result is 0 or a normal float: e^x >= 2^-125.5 above kMinExp.
+inline __m512 exp16(__m512 x, __mmask16 live) {
+  const __m512 lowest = _mm512_set1_ps(kMinExp);
+  live = _mm512_mask_cmp_ps_mask(live, x, lowest, _CMP_NLT_UQ);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, lowest), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 g = _mm512_sub_ps(t, i);
+  // ln(2)^k / k!, k = 7 .. 0
+  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+  for (const float c : {1.5403530393381606e-04f, 1.3333558146428443e-03f, 9.6181291076284772e-03f,
+                        5.5504108664821580e-02f, 2.4022650695910071e-01f, 6.9314718055994531e-01f, 1.0f})
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(c));
+  return _mm512_maskz_scalef_ps(live, p, i);
+}
+
+// A chunk's softmax numerators e = exp(s - m) of its first `count` scores s (0 past them), returning their sum: over
+// the whole chunk in one order whatever count is (16 lanes, then the lanes'). Written over s, rounded to bf16 with
+// `round` (to nearest even, as round_bf16: every e is 0 or a normal float); or, given wp (the values on vdpbf16ps),
+// there alone, rounded, as value_tile_bf16 reads them: wp[i] = (e[2i], e[2i+1]), the bf16 values in order.
+inline float softmax_chunk(float* s, int64_t count, float m, bool round, int32_t* wp) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  __m512 even = sum;  // the pair's first 16
+#endif
+  for (int64_t l = 0; l < kChunk; l += 16) {
+    const __mmask16 live = static_cast<__mmask16>((1u << std::clamp<int64_t>(count - l, 0, 16)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), mv), live);
+    sum = _mm512_add_ps(sum, e);
+#if defined(__AVX512BF16__)
+    if (wp != nullptr) {
+      if (l % 32 == 16) _mm512_storeu_si512(wp + (l - 16) / 2, (__m512i)_mm512_cvtne2ps_pbh(e, even));
+      even = e;
+      continue;
+    }
+#endif
+    if (round) {
+      const __m512i bits = _mm512_castps_si512(e);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+      _mm512_storeu_ps(s + l, _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(0xFFFF0000u))));
+    } else {
+      _mm512_storeu_ps(s + l, e);
+    }
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#endif
+
 // Attention over a bf16 cache multiplies bf16 by bf16, in pairs: the scores take the query in bf16 too (rounded
 // once, scale included) and the weighted sum of values takes the weights (exp(s - m), before the chunk's sum) in
 // bf16 (`bf16_products`; a bf16 model's stack computes in fp32 over the widened keys and values instead, as a
@@ -1099,20 +1151,8 @@ inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float
 }
 
 #if defined(__AVX512BF16__)
-// A chunk's weights w[0 .. kChunk) (bf16 values held as floats) as bf16 pairs: out[i] = (w[2i], w[2i+1]), each
-// a float's upper half (exact), built once per row rather than for every value row it meets.
-inline void weight_pairs(const float* w, int32_t* out) {
-  // the odd 16-bit words of two vectors of floats (the last argument is word 0's)
-  const __m512i upper = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  for (int64_t l = 0; l < kChunk; l += 32) {
-    const __m512i a = _mm512_castps_si512(_mm512_loadu_ps(w + l)), b = _mm512_castps_si512(_mm512_loadu_ps(w + l + 16));
-    _mm512_storeu_si512(out + l / 2, _mm512_permutex2var_epi16(a, upper, b));
-  }
-}
-
 // value_tile over a bf16 cache on vdpbf16ps (D a multiple of 64): per 64 elements of the rows, pairs of value rows
-// interleaved; wp[r * ldw + l / 2]: row r's weights of keys l and l + 1 as a bf16 pair (weight_pairs).
+// interleaved; wp[r * ldw + l / 2]: row r's weights of keys l and l + 1 as a bf16 pair (softmax_chunk).
 template <int RB, int D>
 inline void value_tile_bf16(const int32_t* wp, int64_t ldw, const uint16_t* v, int64_t n, float* acc) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -1146,16 +1186,18 @@ inline void value_tile_bf16(const int32_t* wp, int64_t ldw, const uint16_t* v, i
 #endif
 
 // One row's weighted values over a bf16 cache from key `from` (even) to `count`, in pairs as value_tile takes them,
-// wherever each key sits (value(l)); a pair's missing second key weighs 0 (w is 0 past count) on zeros.
+// wherever each key sits (value(l)); a pair's missing second key weighs 0 (w is 0 past count) on zeros. On
+// vdpbf16ps the weights are read as pairs: from wp where given (softmax_chunk's), else from w.
 template <int D, typename Value>
-void values_in_pairs(const float* w, int64_t from, int64_t count, Value value, float* acc, bool dots) {
+void values_in_pairs(const float* w, const int32_t* wp, int64_t from, int64_t count, Value value, float* acc,
+                     bool dots) {
   static const uint16_t zeros[D] = {};
   for (int64_t l = from; l < count; l += 2) {
     const uint16_t* va = value(l);
     const uint16_t* vb = l + 1 < count ? value(l + 1) : zeros;
 #if defined(__AVX512BF16__)
     if (D % 64 == 0 && dots) {
-      const __m512bh wb = (__m512bh)_mm512_set1_epi32(bf16_pair(w + l));
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(wp != nullptr ? wp[l / 2] : bf16_pair(w + l));
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 a[4];
         to_pair_lanes(acc + d0, a[0], a[1]);
@@ -1216,6 +1258,32 @@ struct Attention {
   // softmax((scale * q).k); bf16 products take bf16 queries.
   void query(int64_t hq, int64_t i, const float* q) {
     const int64_t row = (hq * n + i) * D;
+#if defined(__AVX512F__)
+    if constexpr (D % 32 == 0) {  // 32 at a time: rounded as round_bf16 (a NaN stays a NaN), paired as bf16_pair
+      const __m512 sv = _mm512_set1_ps(scale);
+      for (int64_t j = 0; j < D; j += 32) {
+        __m512i half[2];
+        for (int h = 0; h < 2; ++h) {
+          __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(q + j + 16 * h), sv));
+          if (pairs) {
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            bits = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd),
+                                    _mm512_set1_epi32(0xFFFF0000u));
+          }
+          _mm512_storeu_si512(&qs[row + j + 16 * h], bits);
+          half[h] = bits;
+        }
+#if defined(__AVX512BF16__)
+        if (dots) {  // the upper halves of the 32 floats, in order: their bf16 pairs
+          const __m512i upper = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31,
+                                                 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+          _mm512_storeu_si512(&qp[(row + j) / 2], _mm512_permutex2var_epi16(half[0], upper, half[1]));
+        }
+#endif
+      }
+      return;
+    }
+#endif
     for (int64_t j = 0; j < D; ++j) {
       qs[row + j] = q[j] * scale;
       if (pairs) qs[row + j] = round_bf16(qs[row + j]);
@@ -1229,7 +1297,7 @@ struct Attention {
 
   void tasks(int64_t begin, int64_t end, const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh) {
     static thread_local std::vector<float> p, block, wide;
-    static thread_local std::vector<int32_t> wp;  // p's rows as bf16 pairs (weight_pairs), for vdpbf16ps
+    static thread_local std::vector<int32_t> wp;  // p's rows as bf16 pairs (softmax_chunk), for vdpbf16ps
     p.resize((R + kRegRows) * kChunk);
     wp.resize(R * kChunk / 2);
     block.resize(R * n);
@@ -1258,24 +1326,27 @@ struct Attention {
                     -std::numeric_limits<float>::infinity());
         const float m = max_of(pr, count);
         mx[r] = m;
-        float s = 0.0f;
         if (count == 0 || std::isinf(m)) {  // no visible key of this row in this chunk
           std::fill(pr, pr + kChunk, 0.0f);
+          if (dots && kValuePairs<D>) std::fill(&wp[r * kChunk / 2], &wp[(r + 1) * kChunk / 2], 0);
           mx[r] = -std::numeric_limits<float>::infinity();
-        } else {
-          for (int64_t l = 0; l < count; ++l) pr[l] = exp_nonpositive(pr[l] - m);
-          // summed over the whole chunk, zeros past its end: the order of the additions never depends on count
-          std::fill(pr + count, pr + kChunk, 0.0f);
+          sum[r] = 0.0f;
+          continue;
+        }
+#if defined(__AVX512F__)
+        // the values on vdpbf16ps read the weights as pairs alone
+        sum[r] = softmax_chunk(pr, count, m, pairs, dots && kValuePairs<D> ? &wp[r * kChunk / 2] : nullptr);
+#else
+        for (int64_t l = 0; l < count; ++l) pr[l] = exp_nonpositive(pr[l] - m);
+        // summed over the whole chunk, zeros past its end: the order of the additions never depends on count
+        std::fill(pr + count, pr + kChunk, 0.0f);
+        float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t l = 0; l < kChunk; ++l) s += pr[l];
-        }
+        for (int64_t l = 0; l < kChunk; ++l) s += pr[l];
         sum[r] = s;
-        if (pairs) {  // the values' weights in bf16 (their sum above stays fp32's)
+        if (pairs)  // the values' weights in bf16 (their sum above stays fp32's)
           for (int64_t l = 0; l < kChunk; ++l) pr[l] = round_bf16(pr[l]);
-#if defined(__AVX512BF16__)
-          if (dots && kValuePairs<D>) weight_pairs(pr, &wp[r * kChunk / 2]);
 #endif
-        }
       }
       // values: the committed keys for all rows at once (an even number of them in pairs), then each row's other
       // keys in its logical order
@@ -1319,7 +1390,8 @@ struct Attention {
         float* ar = acc + r * D;
         if constexpr (kPairs<E>) {
           if (pairs) {
-            values_in_pairs<D>(&p[r * kChunk], common, count, value, ar, dots);
+            values_in_pairs<D>(&p[r * kChunk], dots && kValuePairs<D> ? &wp[r * kChunk / 2] : nullptr, common, count,
+                               value, ar, dots);
             continue;
           }
         }
