@@ -679,6 +679,15 @@ constexpr int kCacheToL2 = 2;
 constexpr int64_t kTile = 64;  // keys per score tile
 
 #if defined(__AVX512F__)
+// round_bf16 on 16 floats' bits.
+inline __m512i round_bf16_16(__m512i bits) {
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd),
+                                           _mm512_set1_epi32(0xFFFF0000u));
+  const __m512 x = _mm512_castsi512_ps(bits);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+
 // e^x on 16 lanes, for x <= 0 where `live` (0 elsewhere, and below kMinExp): 2^t with t = x log2 e = i + g, i =
 // round(t), |g| <= 1/2, 2^g from its Taylor series to degree 7 (relative error < 1e-8, under float rounding), scaled
 // by 2^i (vscalefps). Every result is 0 or a normal float: e^x >= 2^-125.5 above kMinExp.
@@ -717,14 +726,7 @@ inline float softmax_chunk(float* s, int64_t count, float m, bool round, int32_t
       continue;
     }
 #endif
-    if (round) {
-      const __m512i bits = _mm512_castps_si512(e);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
-      _mm512_storeu_ps(s + l, _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(0xFFFF0000u))));
-    } else {
-      _mm512_storeu_ps(s + l, e);
-    }
+    _mm512_storeu_ps(s + l, round ? _mm512_castsi512_ps(round_bf16_16(_mm512_castps_si512(e))) : e);
   }
   return _mm512_reduce_add_ps(sum);
 }
@@ -1259,19 +1261,14 @@ struct Attention {
   void query(int64_t hq, int64_t i, const float* q) {
     const int64_t row = (hq * n + i) * D;
 #if defined(__AVX512F__)
-    if constexpr (D % 32 == 0) {  // 32 at a time: rounded as round_bf16 (a NaN stays a NaN), paired as bf16_pair
+    if constexpr (D % 32 == 0) {  // 32 at a time: rounded as round_bf16, paired as bf16_pair
       const __m512 sv = _mm512_set1_ps(scale);
       for (int64_t j = 0; j < D; j += 32) {
         __m512i half[2];
         for (int h = 0; h < 2; ++h) {
-          __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(q + j + 16 * h), sv));
-          if (pairs) {
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            bits = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd),
-                                    _mm512_set1_epi32(0xFFFF0000u));
-          }
-          _mm512_storeu_si512(&qs[row + j + 16 * h], bits);
-          half[h] = bits;
+          const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(q + j + 16 * h), sv));
+          half[h] = pairs ? round_bf16_16(bits) : bits;
+          _mm512_storeu_si512(&qs[row + j + 16 * h], half[h]);
         }
 #if defined(__AVX512BF16__)
         if (dots) {  // the upper halves of the 32 floats, in order: their bf16 pairs
