@@ -1298,6 +1298,8 @@ struct Attention {
     p.resize((R + kRegRows) * kChunk);
     wp.resize(R * kChunk / 2);
     block.resize(R * n);
+    // row r's weights as pairs, where the values are on vdpbf16ps and read them so alone
+    auto row_pairs = [&](int64_t r) { return dots && kValuePairs<D> ? &wp[r * kChunk / 2] : nullptr; };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / C, c0 = (task % C) * kChunk, c1 = c0 + kChunk;
       const int64_t shared = std::max<int64_t>(0, std::min(c1, past) - c0);  // committed keys in this chunk
@@ -1325,14 +1327,13 @@ struct Attention {
         mx[r] = m;
         if (count == 0 || std::isinf(m)) {  // no visible key of this row in this chunk
           std::fill(pr, pr + kChunk, 0.0f);
-          if (dots && kValuePairs<D>) std::fill(&wp[r * kChunk / 2], &wp[(r + 1) * kChunk / 2], 0);
+          if (int32_t* pairs_out = row_pairs(r)) std::fill(pairs_out, pairs_out + kChunk / 2, 0);
           mx[r] = -std::numeric_limits<float>::infinity();
           sum[r] = 0.0f;
           continue;
         }
 #if defined(__AVX512F__)
-        // the values on vdpbf16ps read the weights as pairs alone
-        sum[r] = softmax_chunk(pr, count, m, pairs, dots && kValuePairs<D> ? &wp[r * kChunk / 2] : nullptr);
+        sum[r] = softmax_chunk(pr, count, m, pairs, row_pairs(r));
 #else
         for (int64_t l = 0; l < count; ++l) pr[l] = exp_nonpositive(pr[l] - m);
         // summed over the whole chunk, zeros past its end: the order of the additions never depends on count
@@ -1387,8 +1388,7 @@ struct Attention {
         float* ar = acc + r * D;
         if constexpr (kPairs<E>) {
           if (pairs) {
-            values_in_pairs<D>(&p[r * kChunk], dots && kValuePairs<D> ? &wp[r * kChunk / 2] : nullptr, common, count,
-                               value, ar, dots);
+            values_in_pairs<D>(&p[r * kChunk], row_pairs(r), common, count, value, ar, dots);
             continue;
           }
         }
