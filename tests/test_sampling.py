@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from core.generation.decoding import GenerationConfig
 from core.generation.sampling import (
     PRESETS,
     Sampler,
@@ -158,6 +159,43 @@ def test_the_native_draw_is_the_same_on_any_number_of_threads(smol_engine, setti
         torch.set_num_threads(threads)
     assert drawn[1] == drawn[2]
     assert len(set(drawn[2])) > (1 if settings.greedy else 20)  # (rows drawn from, not one token repeated)
+
+
+@pytest.mark.parametrize("settings", [
+    PRESETS["studio"], PRESETS["paper"], PRESETS["greedy"], PRESETS["studio"].with_(penalty_window=2),
+], ids=["studio", "paper", "greedy", "window-2"])
+def test_the_kernels_walk_accepts_what_drawing_node_by_node_accepts(smol_engine, settings) -> None:
+    """Verification's walk in one kernel call (Sampler.walk) accepts the nodes, and draws the token after them, that
+    drawing node by node does (Generation.walk without the kernels: `draw` with the sequence and the path so far as
+    the window), on the real model's logits and trees that hold the drawn token at most nodes, so that walks run deep
+    (past a penalty window of 2)."""
+    assert kernel() is not None, "the CPU kernels did not build"
+    model = smol_engine.model
+    ids = smol_engine.tokenizer.encode("The old lighthouse keeper climbed the stairs, and at the top he found")
+    logits, _ = model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids)))
+    rng = torch.Generator().manual_seed(7)
+    config = GenerationConfig(max_new_tokens=64, method="tokenswift", sampling=settings)
+    deepest = 0
+    for trial in range(40):
+        gen = smol_engine.generate(ids[: 2 + trial % (len(ids) - 2)], config)
+        rows = logits[torch.randint(len(ids), (16,), generator=rng)]
+        tokens, parents, depths, paths = [gen.tokens[-1]], [-1], [0], [[]]
+        for node in range(16):  # breadth first: the token drawn at the node, mostly, and a stranger or two
+            if node == len(tokens):
+                break
+            if depths[node] == 5:
+                continue
+            drawn = gen.draw(rows[node], paths[node])
+            strangers = torch.randint(model.cfg.vocab_size, (2,), generator=rng).tolist()
+            for child in ([drawn] if torch.rand(1, generator=rng) < 0.8 else []) + strangers:
+                if len(tokens) < 16 and child not in [t for t, p in zip(tokens, parents) if p == node]:
+                    tokens.append(child), parents.append(node), depths.append(depths[node] + 1)
+                    paths.append(paths[node] + [child])
+        native = gen.walk(rows[: len(tokens)], tokens, parents, max(depths))
+        gen.sampler.walk = lambda *args: None  # the draw-by-draw walk
+        assert gen.walk(rows[: len(tokens)], tokens, parents, max(depths)) == native, trial
+        deepest = max(deepest, len(native[0]))
+    assert deepest >= 3
 
 
 def test_greedy_is_argmax_of_penalised_logits() -> None:

@@ -147,6 +147,7 @@ class Generation:
         # where the draw reads them; numpy's indexing costs a fraction of a tensor's on these few ids)
         self.token_buf = np.zeros(len(prompt_ids) + config.max_new_tokens + 1, dtype=np.int64)
         self.token_buf[:len(self.tokens)] = self.tokens
+        self.token_tensor = torch.from_numpy(self.token_buf)  # the same memory, for the kernels' walk
         cfg = decoder.model.cfg
         banned = cfg.eos_token_ids if config.ignore_eos else ()
         self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
@@ -181,6 +182,25 @@ class Generation:
     def draw(self, logits_row: Tensor, extra: list[int] = ()) -> int:  # type: ignore[assignment]
         """Draw the token after the sequence (+ `extra` path tokens) from one row of logits."""
         return self.sampler.draw(logits_row, self._window_ids(extra), len(self.tokens) + len(extra))
+
+    def walk(self, logits: Tensor, tokens: list[int], parents: list[int], depth: int) -> tuple[list[int], int]:
+        """The walk of a verified tree (nodes `tokens`, `parents` first, the deepest at `depth`; row i of logits
+        [n, V] is node i's): from the root, draw the node's next token as `draw` would after the sequence and the path
+        so far, and move to the child holding it; stop where none does. Returns the accepted nodes (the path) and
+        the token drawn after them. One call of the kernels where they are built (Sampler.walk)."""
+        history = self.token_tensor[:len(self.tokens)]
+        walked = self.sampler.walk(logits, tokens, parents, history, depth)
+        if walked is not None:
+            return walked
+        node, path, nodes = 0, [], []
+        while True:
+            token = self.draw(logits[node], path)
+            child = next((i for i in range(node + 1, len(tokens)) if parents[i] == node and tokens[i] == token), None)
+            if child is None:
+                return nodes, token
+            node = child
+            nodes.append(node)
+            path.append(token)
 
     def new_cache(self) -> KVCache:
         # room for the prompt, the output and one verification block beyond it

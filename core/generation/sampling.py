@@ -250,6 +250,19 @@ class Sampler:
         return native.draw(_cpu_float(logits), self.vocab, window, self._banned_ids, s.temperature, s.top_p, s.top_k,
                            s.min_p, s.penalty, _mix(s.seed, position))
 
+    def walk(self, logits: Tensor, tokens: list[int], parents: list[int], history: Tensor,
+             depth: int) -> tuple[list[int], int] | None:
+        """Generation.walk in one call of our CPU kernel (kernels/cpu.cpp: walk, each draw its `draw`) after the
+        sequence `history` (int64 on the CPU), through a tree whose deepest node is at `depth`; None where the
+        kernels are not built."""
+        native = kernel()
+        if native is None:
+            return None
+        s, position = self.s, len(history)
+        keys = [_mix(s.seed, position + d) for d in range(depth + 1)]
+        return native.walk(_cpu_float(logits), self.vocab, tokens, parents, history, s.penalty_window,
+                           self._banned_ids, s.temperature, s.top_p, s.top_k, s.min_p, s.penalty, keys)
+
     def choose(self, scores: Tensor, positions: list[int]) -> Tensor:
         """The token drawn at each row; row i is the draw for sequence position positions[i]: the argmax of the
         scores plus the noise, over the tokens the filters left (the others score -inf whatever their noise)."""

@@ -72,15 +72,9 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
         logits, hidden, tree_heads = engine.forward_with_heads(
             torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
         forward_s += time.perf_counter() - t1
-        node, path, accepted_nodes = 0, [], []
-        while True:
-            token = gen.draw(logits[node], path)
-            child = tree.children[node].get(token)
-            if child is None:
-                break
-            node = child
-            path.append(token)
-            accepted_nodes.append(node)
+        accepted_nodes, token = gen.walk(logits, tree.tokens, tree.parents, max(tree.depths))
+        path = [tree.tokens[i] for i in accepted_nodes]
+        node = accepted_nodes[-1] if accepted_nodes else 0
         cache.keep([0] + accepted_nodes)
         if calibrator is not None:  # every draft whose parent was drawn learns whether it was drawn too
             calibrator.observe(proposed, path + [token])

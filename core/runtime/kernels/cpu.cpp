@@ -1814,15 +1814,25 @@ inline void for_each_finite(const float* v, int64_t n, F f) {
 
 }  // namespace
 
-// The token drawn from one row of logits: banned ids out, the contextual penalty over the distinct ids of `window`,
-// then (temperature 0: the argmax) temperature, top-k, top-p (the fewest most likely tokens whose mass reaches
-// top_p: rank j kept while the mass ranked above it is short of top_p, ties ranked by id), min-p, and the argmax of
-// the surviving scores plus their Gumbel noise. `key` is the position's noise key (sampling.py: _mix).
-int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::Tensor banned, double temperature,
-             double top_p, int64_t top_k, double min_p, double penalty, int64_t key) {
-  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
-  auto lc = logits.contiguous();
-  const float* lp = lc.data_ptr<float>();
+// Token ids in two runs: a penalty window that is the sequence's tail followed by a path below it.
+struct IdRuns {
+  const int64_t* a;
+  int64_t na;
+  const int64_t* b;
+  int64_t nb;
+  template <typename F>
+  void each(F f) const {
+    for (int64_t j = 0; j < na; ++j) f(a[j]);
+    for (int64_t j = 0; j < nb; ++j) f(b[j]);
+  }
+};
+
+// The token drawn from one row of logits lp [vocab]: banned ids out, the contextual penalty over the distinct ids of
+// `window`, then (temperature 0: the argmax) temperature, top-k, top-p (the fewest most likely tokens whose mass
+// reaches top_p: rank j kept while the mass ranked above it is short of top_p, ties ranked by id), min-p, and the
+// argmax of the surviving scores plus their Gumbel noise. `key` is the position's noise key (sampling.py: _mix).
+int64_t draw_row(const float* lp, int64_t vocab, const IdRuns& window, const torch::Tensor& banned,
+                 double temperature, double top_p, int64_t top_k, double min_p, double penalty, int64_t key) {
   const float ninf = -std::numeric_limits<float>::infinity();
   // The scores: sampling, the logits over the temperature, divided as they are copied (filter_scores would divide
   // them in a pass of its own), the penalised ones divided after their penalty, as filter_scores would.
@@ -1839,22 +1849,20 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
       for (int64_t i = first; i < first + len; ++i) vp[i] = lp[i] / t;
     }
   });
-  if (penalty != 1.0 && window.numel() > 0) {
-    auto wc = window.contiguous();
-    const int64_t* wp = wc.data_ptr<int64_t>();
+  if (penalty != 1.0 && window.na + window.nb > 0) {
     const float theta = static_cast<float>(penalty);
     thread_local std::vector<uint8_t> seen;  // each distinct id of the window is penalised once
     seen.resize(vocab);
-    for (int64_t j = 0; j < wc.numel(); ++j)  // all checked before any is marked: a refused window leaves `seen` clear
-      TORCH_CHECK(0 <= wp[j] && wp[j] < vocab, "draw: window id ", wp[j], " outside 0..", vocab - 1);
-    for (int64_t j = 0; j < wc.numel(); ++j) {
-      const int64_t id = wp[j];
-      if (seen[id]) continue;
-      seen[id] = 1;
+    // all checked before any is marked: a refused window leaves `seen` clear
+    window.each([=](int64_t id) { TORCH_CHECK(0 <= id && id < vocab, "draw: window id ", id, " outside 0..", vocab - 1); });
+    uint8_t* sp = seen.data();
+    window.each([=](int64_t id) {
+      if (sp[id]) return;
+      sp[id] = 1;
       const float x = lp[id] > 0.0f ? lp[id] / theta : lp[id] * theta;
       vp[id] = greedy ? x : x / t;
-    }
-    for (int64_t j = 0; j < wc.numel(); ++j) seen[wp[j]] = 0;
+    });
+    window.each([=](int64_t id) { sp[id] = 0; });
   }
   auto bc = banned.contiguous();
   for (int64_t i = 0; i < bc.numel(); ++i) vp[bc.data_ptr<int64_t>()[i]] = ninf;
@@ -1875,6 +1883,54 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
   else
     for_each_finite(v.data(), vocab, consider);
   return best;
+}
+
+// draw_row of one row of logits [>= vocab] whose penalty window is `window` [W].
+int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::Tensor banned, double temperature,
+             double top_p, int64_t top_k, double min_p, double penalty, int64_t key) {
+  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
+  TORCH_CHECK(window.scalar_type() == at::kLong, "draw: window ids must be int64");
+  auto lc = logits.contiguous();
+  auto wc = window.contiguous();
+  return draw_row(lc.data_ptr<float>(), vocab, {wc.data_ptr<int64_t>(), wc.numel(), nullptr, 0}, banned,
+                  temperature, top_p, top_k, min_p, penalty, key);
+}
+
+// The walk of a verified tree (core/tokenswift/step.py): from the root (node 0), draw the token after the sequence
+// and the path so far from the node's row of logits [n, >= vocab], exactly as `draw` does for that sequence (its
+// penalty window: the last W ids of history then path), and move to the child holding it; stop where none does.
+// Nodes are in `tokens` / `parents` order (parents first). keys[d]: the noise key of the draw at depth d. Returns
+// the accepted nodes (the path) and the token drawn after them.
+std::tuple<std::vector<int64_t>, int64_t> walk(torch::Tensor logits, int64_t vocab, std::vector<int64_t> tokens,
+                                               std::vector<int64_t> parents, torch::Tensor history, int64_t W,
+                                               torch::Tensor banned, double temperature, double top_p, int64_t top_k,
+                                               double min_p, double penalty, std::vector<int64_t> keys) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(0) == n &&
+                  logits.size(1) >= vocab, "walk: logits float32 [nodes, >= vocab]");
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == n && n > 0 && parents[0] == -1, "walk: one parent per node");
+  TORCH_CHECK(history.dim() == 1 && history.scalar_type() == at::kLong && W >= 1, "walk: history int64 [len]");
+  auto lc = logits.contiguous();
+  auto hc = history.contiguous();
+  const int64_t* hp = hc.data_ptr<int64_t>();
+  const int64_t H = hc.numel(), row = lc.stride(0);
+  std::vector<int64_t> path, nodes;
+  int64_t node = 0;
+  while (true) {
+    const int64_t d = static_cast<int64_t>(path.size());
+    TORCH_CHECK(d < static_cast<int64_t>(keys.size()), "walk: a noise key per depth");
+    const int64_t from_path = std::min(d, W), from_history = std::min(H, W - from_path);
+    const IdRuns window{hp + H - from_history, from_history, path.data() + d - from_path, from_path};
+    const int64_t token = draw_row(lc.data_ptr<float>() + node * row, vocab, window, banned, temperature, top_p,
+                                   top_k, min_p, penalty, keys[d]);
+    int64_t child = -1;
+    for (int64_t i = node + 1; i < n && child < 0; ++i)
+      if (parents[i] == node && tokens[i] == token) child = i;
+    if (child < 0) return {nodes, token};
+    node = child;
+    nodes.push_back(node);
+    path.push_back(token);
+  }
 }
 
 // Drafts ranked as they will be drawn, for one row of a drafter's logits v [n] over token ids `idp` (null: column j
@@ -2387,6 +2443,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("vis"), py::arg("window"), py::arg("first"));
   m.def("keep_rows", &keep_rows, "the kept rows of a verified block moved into place in the cache");
   m.def("draw", &draw, "the token drawn from one row of logits");
+  m.def("walk", &walk, "the accepted path through a verified tree and the token drawn after it");
   m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
   m.def("embed_rows", &embed_rows, "rows of a packed weight as fp32");
   m.def("root_step", &root_step, "the root head's state and logits");
