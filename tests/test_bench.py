@@ -29,6 +29,12 @@ def test_bench_reports_every_method_and_length(tiny_model_dir: Path, tmp_path: P
         for m in ("tokenswift", "tokenswift-separate"):
             assert rows[(m, L)]["ids_equal_ar"] is True and rows[(m, L)]["tokens_per_step"] >= 1.0
         assert rows[("hf", L)]["decode_tok_s"] > 0 and rows[("hf", L)]["peak_rss_mb"] > 0
+        # our methods' steps read at a rate beside this CPU's (transformers' are not counted)
+        for m in ("ar", "tokenswift"):
+            assert rows[(m, L)]["bandwidth_gb_s"] > 0 and rows[(m, L)]["read_gb_s"] > 0
+            assert rows[(m, L)]["bandwidth_share"] > 0  # (a tiny model may sit in the caches: no upper bound)
+        assert rows[("hf", L)]["bandwidth_gb_s"] is None
+    assert "GB/s (of rate)" in table
     hw = report["hardware"]
     assert hw["threads"] >= 1 and report["settings"]["sampling"] == "paper"
     if Path("/proc/cpuinfo").is_file() and hw["machine"] == "x86_64":  # the CPU is named, with its vector unit
@@ -61,6 +67,23 @@ def test_ablation_variants_change_one_thing(tmp_path: Path) -> None:
     assert runs["tokenswift-no-heads"].accepted == runs["tokenswift-no-heads"].from_ngram > 0
     assert max(runs["tokenswift-tree2"].step_tokens) <= 2 < engine.options.tree_budget  # the CPU default: 4 nodes
     assert engine.heads is not None and engine.options.ngram_topk > 0 and engine.options.root_head, "engine untouched"
+
+
+def test_a_runs_bandwidth_is_the_bytes_its_steps_must_read_over_its_time(tiny_model_dir: Path) -> None:
+    """Vanilla decoding's steps each read the weights and the cache of the sequence before their token once (the
+    last token is drawn from the forward before it): the run's bytes by its last token are their sum, and its
+    bandwidth that over its time."""
+    from core.engine import Engine
+    from core.generation.sampling import PRESETS
+    from core.tools.bench import run_ours
+    from core.tools.roofline import step_bytes
+
+    engine = Engine.load(str(tiny_model_dir), heads=None, device="cpu")
+    prompt = list(range(5, 25))
+    run = run_ours(engine, "ar", prompt, 30, PRESETS["greedy"])
+    read = sum(step_bytes(engine.model, len(prompt) + i) for i in range(29))
+    assert run.reads[-1] == read and run.bandwidth_at(30) == read / run.times[-1]
+    assert run.read_rate is not None and run.read_rate > 0
 
 
 def test_a_diverging_run_reports_where_and_the_gap_there(tiny_model_dir: Path) -> None:

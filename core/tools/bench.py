@@ -42,6 +42,7 @@ from core.tokenswift.options import GAMMA
 from core.tools.args import load_engine
 from core.tools.hardware import hardware, run_report
 from core.tools.peers import BUILD_HINT, llama_cpp_binary, run_llama_cpp
+from core.tools.roofline import read_rate_now, step_reads
 
 # TokenSwift variants: the engine's options they change (None: drop the heads; drafting from n-grams only)
 VARIANTS: dict[str, dict[str, Any] | None] = {
@@ -102,6 +103,8 @@ class Run:
     step_ngram: list[int] = field(default_factory=list)  # accepted drafts per step that came from the n-gram table
     peak_rss_mb: float = 0.0
     forwards: list[float] = field(default_factory=list)  # of times[i], the seconds spent in the model's forwards
+    reads: list[int] = field(default_factory=list)  # by times[i], the bytes the steps had to read (roofline.py)
+    read_rate: float | None = None  # this CPU's read rate (bytes/s) sampled right after the run
 
     def time_at(self, n: int) -> float:
         return self.times[min(n, len(self.times)) - 1]
@@ -113,6 +116,13 @@ class Run:
             return None
         i = min(n, len(self.times)) - 1
         return 1 - self.forwards[i] / self.times[i] if self.times[i] > 0 else None
+
+    def bandwidth_at(self, n: int) -> float | None:
+        """Bytes per second the steps up to token n read at least (gpt-fast's "bandwidth achieved")."""
+        if not self.reads:
+            return None
+        i = min(n, len(self.times)) - 1
+        return self.reads[i] / self.times[i] if self.times[i] > 0 else None
 
     def steps_at(self, n: int) -> tuple[int, int, int]:
         """(steps, accepted drafts, n-gram drafts) up to the step that produced token n."""
@@ -175,20 +185,26 @@ def run_ours(engine: Engine, method: str, prompt_ids: list[int], length: int, sa
     step_tokens: list[int] = []
     step_ngram: list[int] = []
     forwards: list[float] = []
+    reads: list[int] = []
     with RssSampler() as rss:
         gen = engine.generate(prompt_ids, config)
         elapsed = forward = 0.0
+        read = 0
         for step in gen:
             elapsed += step.seconds
             forward += step.forward_s
+            read += step_reads(engine.model, len(prompt_ids), [step])[0]
             times.extend([elapsed] * len(step.token_ids))
             forwards.extend([forward] * len(step.token_ids))
+            reads.extend([read] * len(step.token_ids))
             step_tokens.append(len(step.token_ids))
             step_ngram.append(step.from_ngram)
     r = gen.result
     assert r is not None
+    # after the run and outside its memory sampling: the buffer is freed before the next run
+    rate = read_rate_now() if engine.device.type == "cpu" else None
     return Run(method, 0, 0, r.token_ids, r.prefill_s, times, len(r.steps), sum(s.accepted for s in r.steps),
-               sum(s.from_ngram for s in r.steps), step_tokens, step_ngram, rss.peak / 2**20, forwards)
+               sum(s.from_ngram for s in r.steps), step_tokens, step_ngram, rss.peak / 2**20, forwards, reads, rate)
 
 
 def llama_cpp_peer(engine: Engine, methods: list[str]) -> tuple[Path, Path] | None:
@@ -319,6 +335,15 @@ def summarize(runs: list[Run], methods: list[str], lengths: list[int],
                 "peak_rss_mb": round(max(r.peak_rss_mb for r in mine), 1),
                 "overhead": (round(statistics.median(o), 3)
                              if (o := [r.overhead_at(L) for r in mine if r.overhead_at(L) is not None]) else None),
+                "bandwidth_gb_s": (float(f"{statistics.median(b) / 1e9:.3g}")
+                                   if (b := [r.bandwidth_at(L) for r in mine if r.bandwidth_at(L) is not None])
+                                   else None),
+                "read_gb_s": (float(f"{statistics.median(g) / 1e9:.3g}")
+                              if (g := [r.read_rate for r in mine if r.read_rate is not None]) else None),
+                # each run against the rate sampled right after it: this machine's rate drifts
+                "bandwidth_share": (round(statistics.median(f), 3) if (f := [
+                    r.bandwidth_at(L) / r.read_rate for r in mine
+                    if r.bandwidth_at(L) is not None and r.read_rate]) else None),
                 "distinct_1_4": ([round(statistics.mean(d), 4) for d in zip(*(distinct(r.token_ids[:L]) for r in mine))]
                                  if all(r.token_ids for r in mine) else None),  # llama.cpp's ids are not read
             }
@@ -363,12 +388,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         return "NO, from " + ", ".join(str(d["position"]) + (f" (gap {format_gap(d['gap'])})" if "gap" in d else "")
                                        for d in r["divergences"])
 
+    def bandwidth(r: dict[str, Any]) -> str | None:
+        bw, share = r.get("bandwidth_gb_s"), r.get("bandwidth_share")
+        return None if bw is None else f"{bw}" + (f" ({pct(share)})" if share is not None else "")
+
     columns = [("length", lambda r: r["length"]), ("method", lambda r: r["method"]),
                ("decode tok/s", lambda r: r["decode_tok_s"]), ("vs ar", lambda r: r["speedup_vs_ar"]),
                ("vs hf", lambda r: r["speedup_vs_hf"]), ("tokens/step", lambda r: r.get("tokens_per_step")),
                ("n-gram share", lambda r: r.get("ngram_share")),
                ("step overhead", lambda r: pct(r["overhead"]) if r.get("overhead") is not None else None),
-               ("ids = ar", ids)]
+               ("GB/s (of rate)", bandwidth), ("ids = ar", ids)]
     columns = [(name, get) for name, get in columns if any(get(r) is not None for r in rows)]
     lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from core.engine import METHODS
@@ -18,6 +19,7 @@ from core.tools.bench import add_bench_args, run_bench
 from core.tools.cost_curve import add_cost_curve_args, run_cost_curve
 from core.tools.gpu_check import add_gpu_check_args, run_gpu_check
 from core.tools.long_profile import add_long_profile_args, run_long_profile
+from core.tools.roofline import read_rate_now, step_reads
 from core.tools.train_heads import add_train_args, run_training
 
 
@@ -27,6 +29,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, method=args.method, sampling=sampling_from(args),
                               stop_strings=tuple(args.stop or ()), ignore_eos=args.ignore_eos).validate()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # before the model loads, so that the measurement's buffer never adds to the process's peak memory
+    read_rate = read_rate_now() if device.startswith("cpu") else None
     engine = load_engine(args)
     prompt_ids = encode_prompt(engine.tokenizer, text, chat=not args.no_chat)
     gen = engine.generate(prompt_ids, config)
@@ -42,13 +47,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assert result is not None
     for notice in engine.notices:
         print(f"note: {notice}", file=sys.stderr)
+    read = sum(step_reads(engine.model, len(prompt_ids), result.steps))
+    achieved = read / result.decode_s if result.decode_s else 0.0
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps({**result.to_json(), "bytes_read": read, "bandwidth_gb_s": float(f"{achieved / 1e9:.3g}"),
+                          "read_gb_s": None if read_rate is None else float(f"{read_rate / 1e9:.3g}")}))
     else:
         print()
         print(f"{result.n_tokens} tokens in {result.decode_s:.2f} s ({result.tokens_per_s:.1f} tok/s, prefill "
               f"{result.prefill_s:.2f} s); {result.mean_accepted:.2f} tokens/step, α={result.alpha():.3f}; "
               f"stopped: {result.stop_reason}", file=sys.stderr)
+        rate = "" if read_rate is None else (f", {achieved / read_rate:.0%} of the {read_rate / 1e9:.3g} GB/s this "
+                                             "CPU reads")
+        print(f"bandwidth achieved: {achieved / 1e9:.3g} GB/s (weights and cache read once a step){rate}",
+              file=sys.stderr)
     return 0
 
 

@@ -31,9 +31,9 @@ from core.generation.decoding import PREFILL_CHUNK
 from core.runtime.kv_cache import KVCache
 from core.runtime.loading import load_model
 from core.runtime.model import Transformer
-from core.runtime.weights import NativeLinear
 from core.tools.compute_floor import compute_floor
 from core.tools.hardware import hardware, run_report
+from core.tools.roofline import ReadRate, step_bytes
 
 
 def add_cost_curve_args(p: argparse.ArgumentParser) -> None:
@@ -106,43 +106,6 @@ def measure(modes: dict[str, tuple[Transformer, Callable[..., Any]]], contexts: 
                 rows.append({"mode": name, "context": context, "n": n, "ms": round(ms, 2),
                              "vs_one": round(ms / (1000 * one), 3) if one else None})
     return rows
-
-
-def weight_bytes(model: Transformer) -> int:
-    """Bytes of the weight matrices a one-token forward reads: the layers' and the lm_head (the embedding lookup
-    reads one row), in their stored format."""
-    total = 0
-    for module in [*model.layers.modules(), model.lm_head]:
-        if isinstance(module, NativeLinear):
-            total += module.packed.nbytes
-        elif isinstance(module, torch.nn.Linear):
-            total += module.weight.numel() * module.weight.element_size()
-    return total
-
-
-def step_bytes(model: Transformer, context: int) -> int:
-    """Bytes a one-token forward reads at least: every weight matrix and the keys and values of `context` tokens."""
-    cfg = model.cfg
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.cache_dtype.itemsize
-    return weight_bytes(model) + kv
-
-
-class ReadRate:
-    """Bytes per second this CPU reads from memory with torch's threads, sampled between the timed forwards (a sum
-    over a buffer far beyond any cache), so that the floor sees the same contention as the steps it bounds."""
-
-    def __init__(self, mib: int = 512):
-        self.buffer = torch.ones(mib * 2**20 // 4)
-        self.buffer.sum()  # untimed: pages touched
-        self.samples: list[float] = []
-
-    def sample(self) -> None:
-        t0 = time.perf_counter()
-        self.buffer.sum()
-        self.samples.append(self.buffer.numel() * 4 / (time.perf_counter() - t0))
-
-    def median(self) -> float:
-        return statistics.median(self.samples)
 
 
 def memory_floor(model: Transformer, rows: list[dict[str, Any]], mode: str, contexts: list[int],
