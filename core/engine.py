@@ -79,6 +79,13 @@ class Engine:
                 self.notice("a CPU model runs on its native kernels; compiled graphs are for CUDA")
                 compile = False
         self.options = (options or TokenSwiftOptions()).resolved(self.model.device, heads)
+        if self.model.native and heads is not None:
+            # the lm_head rows drafting scores, packed now: their transient copies go back with the load's below,
+            # where built at the first step they would stay in the heap for good
+            if self.plan.root_drafting:
+                heads.scorer(self.model, "root_lm")
+            if self.plan.graph_heads:  # (the three heads fill a level)
+                heads.scorer(self.model, "lm")
         if compile:
             self.runner = self._compiled_runner()
         # Everything loaded so far (torch, transformers, the tokenizer: millions of objects) lives as long as the

@@ -181,3 +181,15 @@ def test_selected_rows_unpack_only_those_rows_with_the_same_numbers(fmt: str) ->
     ids = torch.tensor([0, 5, 17, 199, 16, 31])
     for part, whole in zip(packed.blocks(ids), packed.blocks(), strict=True):
         assert part is None and whole is None or torch.equal(part, whole[ids])
+
+
+def test_the_engine_packs_the_rows_drafting_scores_while_it_loads() -> None:
+    """The root head's lm_head rows are packed while the engine loads, so that their transient copies go back to the
+    system with the load's (release_freed_memory) instead of staying in the heap from the first step on; the three
+    heads' rows, which fill no level by default, are not built at all."""
+    from core.engine import Engine
+
+    engine = Engine.load(None)
+    assert engine.plan.root_drafting and not engine.plan.graph_heads
+    scorers = engine.plan.heads._scorers
+    assert set(scorers) == {"root_lm"} and scorers["root_lm"][0] is engine.model
