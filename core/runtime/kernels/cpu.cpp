@@ -1812,8 +1812,6 @@ inline void for_each_finite(const float* v, int64_t n, F f) {
     if (v[i] != ninf) f(i);
 }
 
-}  // namespace
-
 // Token ids in two runs: a penalty window that is the sequence's tail followed by a path below it.
 struct IdRuns {
   const int64_t* a;
@@ -1854,7 +1852,9 @@ int64_t draw_row(const float* lp, int64_t vocab, const IdRuns& window, const tor
     thread_local std::vector<uint8_t> seen;  // each distinct id of the window is penalised once
     seen.resize(vocab);
     // all checked before any is marked: a refused window leaves `seen` clear
-    window.each([=](int64_t id) { TORCH_CHECK(0 <= id && id < vocab, "draw: window id ", id, " outside 0..", vocab - 1); });
+    window.each([=](int64_t id) {
+      TORCH_CHECK(0 <= id && id < vocab, "draw: window id ", id, " outside 0..", vocab - 1);
+    });
     uint8_t* sp = seen.data();
     window.each([=](int64_t id) {
       if (sp[id]) return;
@@ -1884,6 +1884,8 @@ int64_t draw_row(const float* lp, int64_t vocab, const IdRuns& window, const tor
     for_each_finite(v.data(), vocab, consider);
   return best;
 }
+
+}  // namespace
 
 // draw_row of one row of logits [>= vocab] whose penalty window is `window` [W].
 int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::Tensor banned, double temperature,
