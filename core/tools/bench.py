@@ -185,22 +185,23 @@ def run_ours(engine: Engine, method: str, prompt_ids: list[int], length: int, sa
     step_tokens: list[int] = []
     step_ngram: list[int] = []
     forwards: list[float] = []
-    reads: list[int] = []
     with RssSampler() as rss:
         gen = engine.generate(prompt_ids, config)
         elapsed = forward = 0.0
-        read = 0
         for step in gen:
             elapsed += step.seconds
             forward += step.forward_s
-            read += step_reads(engine.model, len(prompt_ids), [step])[0]
             times.extend([elapsed] * len(step.token_ids))
             forwards.extend([forward] * len(step.token_ids))
-            reads.extend([read] * len(step.token_ids))
             step_tokens.append(len(step.token_ids))
             step_ngram.append(step.from_ngram)
     r = gen.result
     assert r is not None
+    reads: list[int] = []  # by each token, the bytes its run's steps had read
+    total = 0
+    for step, read in zip(r.steps, step_reads(engine.model, len(prompt_ids), r.steps)):
+        total += read
+        reads.extend([total] * len(step.token_ids))
     # after the run and outside its memory sampling: the buffer is freed before the next run
     rate = read_rate_now() if engine.device.type == "cpu" else None
     return Run(method, 0, 0, r.token_ids, r.prefill_s, times, len(r.steps), sum(s.accepted for s in r.steps),

@@ -30,11 +30,15 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
+def cache_bytes(model: Transformer, context: int) -> int:
+    """Bytes of the keys and values of `context` tokens in the model's KV cache."""
+    cfg = model.cfg
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.cache_dtype.itemsize
+
+
 def step_bytes(model: Transformer, context: int) -> int:
     """Bytes a one-token forward reads at least: every weight matrix and the keys and values of `context` tokens."""
-    cfg = model.cfg
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.cache_dtype.itemsize
-    return weight_bytes(model) + kv
+    return weight_bytes(model) + cache_bytes(model, context)
 
 
 class ReadRate:
@@ -67,5 +71,6 @@ def read_rate_now(mib: int = 128, samples: int = 5) -> float:
 def step_reads(model: Transformer, prompt_tokens: int, steps: Iterable[Step]) -> list[int]:
     """Per step, the bytes its forward had to read at least: step_bytes over the sequence written before the step
     (0 for a step with no forward, such as vanilla decoding's last, drawn from the forward before it)."""
-    return [step_bytes(model, prompt_tokens + s.n_tokens - len(s.token_ids)) if s.forward_s > 0 else 0
+    weights = weight_bytes(model)  # (a walk over every module: once, not per step)
+    return [weights + cache_bytes(model, prompt_tokens + s.n_tokens - len(s.token_ids)) if s.forward_s > 0 else 0
             for s in steps]
