@@ -8,12 +8,12 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from core.engine import METHODS
 from core.generation.decoding import GenerationConfig
 from core.generation.text import encode_prompt
+from core.runtime.loading import default_device
 from core.tools.args import add_model_args, add_sampling_args, add_tokenswift_args, load_engine, sampling_from
 from core.tools.bench import add_bench_args, run_bench
 from core.tools.cost_curve import add_cost_curve_args, run_cost_curve
@@ -29,9 +29,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, method=args.method, sampling=sampling_from(args),
                               stop_strings=tuple(args.stop or ()), ignore_eos=args.ignore_eos).validate()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # before the model loads, so that the measurement's buffer never adds to the process's peak memory
-    read_rate = read_rate_now() if device.startswith("cpu") else None
+    # before the model loads: the measurement's buffer is freed before the model's memory is added to the process's
+    read_rate = read_rate_now() if (args.device or default_device()).startswith("cpu") else None
     engine = load_engine(args)
     prompt_ids = encode_prompt(engine.tokenizer, text, chat=not args.no_chat)
     gen = engine.generate(prompt_ids, config)
