@@ -22,7 +22,7 @@ from core.runtime.compiled import CompiledRunner
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.runtime.loading import LoadedModel, load_model, release_freed_memory, resolve
 from core.runtime.model import Transformer
-from core.tokenswift.heads import DraftHeads, HeadsError, load_heads
+from core.tokenswift.heads import DraftHeads, HeadsError, RootDraft, load_heads
 from core.tokenswift.options import DraftPlan, TokenSwiftOptions
 from core.tokenswift.published import is_published_checkpoint, load_published_heads
 from core.tokenswift.step import tokenswift_steps
@@ -181,16 +181,20 @@ class Engine:
         logits, hidden = self.model(tokens, positions, cache, block_mask)
         return logits, hidden, None
 
-    def root_draft(self, h0: Tensor, token: int, sampler: Sampler, k: int,
-                   position: int) -> tuple[Tensor, list[int], list[float]]:
-        """One drafted level of the root head (DraftHeads.root_draft), its step through its compiled graph when there
-        is one."""
-        assert self.heads is not None
-        if self.runner is not None:
-            out = self.runner.side_step(h0, torch.tensor([token], device=h0.device))
-            if out is not None:
-                return self.heads.ranked(*out, sampler, k, position)
-        return self.heads.root_draft(h0, token, self.model, sampler, k, position)
+    def root_drafter(self, sampler: Sampler, k: int) -> RootDraft:
+        """One drafted level of the root head (DraftHeads.root_drafter) for a generation drawing with `sampler`, its
+        step through its compiled graph when there is one."""
+        heads = self.heads
+        assert heads is not None
+        eager = heads.root_drafter(self.model, sampler, k)
+        runner = self.runner
+        if runner is None:
+            return eager
+
+        def draft(h0: Tensor, token: int, position: int) -> tuple[Tensor, list[int], list[float]]:
+            out = runner.side_step(h0, torch.tensor([token], device=h0.device))
+            return eager(h0, token, position) if out is None else heads.ranked(*out, sampler, k, position)
+        return draft
 
     def notice(self, message: str) -> None:
         """Something the user should be told once (the CLI prints them, the worker shows them in the header)."""

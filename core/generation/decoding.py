@@ -188,8 +188,7 @@ class Generation:
         [n, V] is node i's): from the root, draw the node's next token as `draw` would after the sequence and the path
         so far, and move to the child holding it; stop where none does. Returns the accepted nodes (the path) and
         the token drawn after them. One call of the kernels where they are built (Sampler.walk)."""
-        history = self.token_tensor[:len(self.tokens)]
-        walked = self.sampler.walk(logits, tokens, parents, history, depth)
+        walked = self.sampler.walk(logits, tokens, parents, self.token_tensor, len(self.tokens), depth)
         if walked is not None:
             return walked
         node, path, nodes = 0, [], []

@@ -250,17 +250,17 @@ class Sampler:
         return native.draw(_cpu_float(logits), self.vocab, window, self._banned_ids, s.temperature, s.top_p, s.top_k,
                            s.min_p, s.penalty, _mix(s.seed, position))
 
-    def walk(self, logits: Tensor, tokens: list[int], parents: list[int], history: Tensor,
+    def walk(self, logits: Tensor, tokens: list[int], parents: list[int], history: Tensor, length: int,
              depth: int) -> tuple[list[int], int] | None:
         """Generation.walk in one call of our CPU kernel (kernels/cpu.cpp: walk, each draw its `draw`) after the
-        sequence `history` (int64 on the CPU), through a tree whose deepest node is at `depth`; None where the
-        kernels are not built."""
+        sequence `history[:length]` (int64 on the CPU: the buffer itself, not a slice of it, between two forwards),
+        through a tree whose deepest node is at `depth`; None where the kernels are not built."""
         native = kernel()
         if native is None:
             return None
-        s, position = self.s, len(history)
-        keys = [_mix(s.seed, position + d) for d in range(depth + 1)]
-        return native.walk(_cpu_float(logits), self.vocab, tokens, parents, history, s.penalty_window,
+        s = self.s
+        keys = [_mix(s.seed, length + d) for d in range(depth + 1)]
+        return native.walk(_cpu_float(logits), self.vocab, tokens, parents, history, length, s.penalty_window,
                            self._banned_ids, s.temperature, s.top_p, s.top_k, s.min_p, s.penalty, keys)
 
     def choose(self, scores: Tensor, positions: list[int]) -> Tensor:

@@ -85,6 +85,9 @@ class KVCache:
         # keys and values of every layer: sized against the GPU's free memory first, with a clear refusal
         check_fits(max_len, 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize, device)
         self.k = key_buffer(n_layers, n_kv_heads, max_len, head_dim, dtype, device)
+        # the keys as they lie in memory, [layers, kv_heads, head_dim, slots], as the kernels take them (a view made
+        # once: the forward passes it, with no operator called to make it)
+        self.k_stored = self.k.transpose(2, 3)
         self.v = zeroed((n_layers, n_kv_heads, max_len, head_dim), dtype, device)
         self.max_len = max_len
         self.length = 0  # committed tokens

@@ -423,7 +423,7 @@ class Transformer(nn.Module):
             x, ids = self.embed(tokens).float().contiguous(), no_tokens
         visible = block_mask.contiguous() if block_mask is not None else no_mask
         cos, sin = self.rope_table(cache.k.shape[2])  # a row for every position the cache holds
-        return stack.forward(x, ids, cos, sin, positions, cache.k.transpose(2, 3), cache.v, cache.length, visible,
+        return stack.forward(x, ids, cos, sin, positions, cache.k_stored, cache.v, cache.length, visible,
                              self.cfg.sliding_window or 0, -1 if logits_from is None else logits_from)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -11,12 +11,21 @@ losslessness is untouched.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 BINS = 10  # equal-width bins of the raw score over [0, 1]
 PRIOR = 4.0  # the raw score's weight, in observations, before a bin has data
 DEPTHS = 3  # drafts at this depth and deeper share their estimates
 
-# A draft as proposed: (the tokens between the root and it, its token, its raw score given its parent, its sources)
-Proposal = tuple[tuple[int, ...], int, float, int]
+
+class Proposed(NamedTuple):
+    """A step's drafts as proposed, the trie that held them (TreeBuilder.recalibrate): node 0 is the root, children[i]
+    maps a token to node i's child holding it, scores[i] is node i's raw score given its parent and sources[i] the
+    drafters that proposed it."""
+
+    children: list[dict[int, int]]
+    scores: list[float]
+    sources: list[int]
 
 
 class DraftCalibrator:
@@ -34,13 +43,16 @@ class DraftCalibrator:
         key = self._key(score, source, depth)
         return (self._hits.get(key, 0.0) + PRIOR * score) / (self._seen.get(key, 0.0) + PRIOR)
 
-    def observe(self, drafts: list[Proposal], drawn: list[int]) -> None:
+    def observe(self, drafts: Proposed, drawn: list[int]) -> None:
         """Record one step: the drafts as proposed and the tokens drawn after the root (the accepted path and the
-        token after it). A draft is judged only where its parent was drawn."""
-        for prefix, token, score, source in drafts:
-            k = len(prefix)
-            if k >= len(drawn) or (k and list(prefix) != drawn[:k]):
-                continue
-            key = self._key(score, source, k + 1)
-            self._seen[key] = self._seen.get(key, 0.0) + 1
-            self._hits[key] = self._hits.get(key, 0.0) + (token == drawn[k])
+        token after it). A draft is judged only where its parent was drawn: the children of the nodes along the drawn
+        tokens' path down the trie."""
+        node: int | None = 0
+        for depth, token in enumerate(drawn, start=1):
+            for draft, child in drafts.children[node].items():
+                key = self._key(drafts.scores[child], drafts.sources[child], depth)
+                self._seen[key] = self._seen.get(key, 0.0) + 1
+                self._hits[key] = self._hits.get(key, 0.0) + (draft == token)
+            node = drafts.children[node].get(token)
+            if node is None:
+                return

@@ -8,6 +8,7 @@ the token drawn. Which drafts are proposed never changes a token written: verifi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from torch import Tensor
@@ -15,7 +16,8 @@ from torch import Tensor
 from core.generation.decoding import Decoder, Generation
 from core.generation.sampling import Sampler, rank_drafts
 from core.runtime.kv_cache import KVCache, PartialKVCache
-from core.tokenswift.calibration import DraftCalibrator, Proposal
+from core.tokenswift.calibration import DraftCalibrator, Proposed
+from core.tokenswift.heads import RootDraft
 from core.tokenswift.ngram import NGramTable
 from core.tokenswift.options import DraftPlan
 from core.tokenswift.tree import HEADS, NGRAM, Tree, TreeBuilder
@@ -32,25 +34,41 @@ class TokenSwiftEngine(Decoder, Protocol):
                            block_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """`forward` of all rows, plus the heads' logits [n_heads, n, V'] where the forward computed them."""
 
-    def root_draft(self, h0: Tensor, token: int, sampler: Sampler, k: int,
-                   position: int) -> tuple[Tensor, list[int], list[float]]:
-        """One drafted level of the root head: its state and its k drafts with their chances (DraftHeads.root_draft)."""
+    def root_drafter(self, sampler: Sampler, k: int) -> RootDraft:
+        """One drafted level of the root head, `sampler` and `k` bound: its state and its k drafts with their chances
+        (DraftHeads.root_drafter)."""
 
     def notice(self, message: str) -> None:
         """Tell the user `message`, once."""
 
 
-def draft_tree(engine: TokenSwiftEngine, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
+@dataclass(frozen=True)
+class Drafters:
+    """What a generation drafts with, looked up once for all its steps: the engine, its plan, and the root head's
+    drafted level bound to the generation's sampler (None where the root head does not draft)."""
+
+    engine: TokenSwiftEngine
+    plan: DraftPlan
+    root_draft: RootDraft | None
+
+    @classmethod
+    def of(cls, engine: TokenSwiftEngine, sampler: Sampler) -> "Drafters":
+        plan = engine.plan
+        root = engine.root_drafter(sampler, plan.options.head_topk) if plan.root_drafting else None
+        return cls(engine, plan, root)
+
+
+def draft_tree(drafters: Drafters, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
                backbone: Tensor | None, table: NGramTable,
-               calibrator: DraftCalibrator | None = None) -> tuple[Tree, list[Proposal]]:
+               calibrator: DraftCalibrator | None = None) -> tuple[Tree, Proposed | None]:
     """Merge the model's drafts (draft_candidates) and the n-gram table's continuations below the root (the last
     token of `gen`) into one budgeted trie, scored by the calibrator's chances if given. Also returns the drafts as
-    proposed, for the calibrator to learn from once the step is drawn."""
-    plan = engine.plan
+    proposed, for the calibrator to learn from once the step is drawn (None without a calibrator)."""
+    plan = drafters.plan
     opt = plan.options
     root = gen.tokens[-1]
     depth = opt.tree_budget - 1  # no deeper draft fits the tree
-    candidates = draft_candidates(engine, gen, head_logits, h_last, backbone, plan.draft_levels, calibrator)
+    candidates = draft_candidates(drafters, gen, head_logits, h_last, backbone, plan.draft_levels, calibrator)
     builder = TreeBuilder(root)
     if plan.chained_drafting:  # deeper drafts hold only under the top draft above them
         builder.add_chain(candidates, HEADS)
@@ -71,11 +89,11 @@ def draft_tree(engine: TokenSwiftEngine, gen: Generation, head_logits: Tensor | 
         for cont, count in table.topk(key, per_key):
             score = base * min(1.0, opt.ngram_weight * count / (total + 1))
             builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont), NGRAM)
-    proposed = builder.recalibrate(calibrator.chance) if calibrator is not None else []
+    proposed = builder.recalibrate(calibrator.chance) if calibrator is not None else None
     return builder.build(opt.tree_budget, opt.min_draft_score or 0.0), proposed
 
 
-def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
+def draft_candidates(drafters: Drafters, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
                      backbone: Tensor | None, depth: int,
                      calibrator: DraftCalibrator | None = None) -> list[list[tuple[int, float]]]:
     """[(token, estimated chance), ...] for each of the first `depth` positions after the root, from the backbone
@@ -89,7 +107,7 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
     of its top drafts is less likely than the draft gate (by `calibrator`'s chances, if given): no node below could
     be verified, since none is more likely than its parent.
     """
-    plan, device = engine.plan, engine.device
+    engine, plan = drafters.engine, drafters.plan
     opt, heads = plan.options, plan.heads
     root, root_pos = gen.tokens[-1], len(gen.tokens) - 1
     settings, sampler = gen.config.sampling, gen.sampler
@@ -97,12 +115,12 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
     candidates: list[list[tuple[int, float]]] = []
     if backbone is not None and depth > 0:
         # the backbone's logits are the model's own (over a partial cache): processed exactly as the draw will be
-        noise = None if settings.greedy else sampler.noise(root_pos + 1, None, device)[None]
+        noise = None if settings.greedy else sampler.noise(root_pos + 1, None, backbone.device)[None]
         ids, p = rank_drafts(sampler.scores(backbone[None], gen.window()), opt.backbone_topk, noise)
         candidates.append(list(zip(ids[0].tolist(), p[0].tolist())))
     if heads is None or h_last is None:
         return candidates
-    if plan.root_drafting:
+    if drafters.root_draft is not None:
         # the root head predicts head 1's token knowing the token before it: nearly twice as often right. A chained
         # one then reads its own state back with its top draft, a level deeper each time (heads.root_draft). In fused
         # mode it reads the state before the root with the root; in separate mode the root's own state (the draft
@@ -115,7 +133,7 @@ def draft_candidates(engine: TokenSwiftEngine, gen: Generation, head_logits: Ten
         for level in range(first, min(depth, first + heads.root_chain)):
             if chance < (opt.min_draft_score or 0.0):
                 break
-            state, ids, p = engine.root_draft(state, token, sampler, opt.head_topk, root_pos + 1 + level)
+            state, ids, p = drafters.root_draft(state, token, root_pos + 1 + level)
             candidates.append(list(zip(ids, p)))
             token, top = candidates[-1][0]
             chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top

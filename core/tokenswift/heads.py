@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +37,10 @@ from core.runtime.skeleton import skeleton
 from core.runtime.weights import NativeLinear, pack
 
 FORMAT = "tokenswift-heads/1"
+
+# One drafted level of the root head, its model, sampler and k bound (DraftHeads.root_drafter): (state [1, hidden],
+# token, sequence position) -> (its state, its k drafts, their chances)
+RootDraft = Callable[[Tensor, int, int], tuple[Tensor, list[int], list[float]]]
 
 
 class HeadsError(ValueError):
@@ -167,12 +172,18 @@ class DraftHeads(nn.Module):
         """One drafted level: the root head's state [1, hidden] after h0 [1, hidden] and `token`, and its k most
         likely drafts for sequence `position` with their chances, ranked as the draw will draw there
         (Sampler.rank_drafts). On the kernels one call does both."""
+        return self.root_drafter(model, sampler, k)(h0, token, position)
+
+    def root_drafter(self, model: Transformer, sampler: Sampler, k: int) -> RootDraft:
+        """root_draft with `model`, `sampler` and `k` bound: its weights and settings looked up once, for a whole
+        generation's levels (each runs between two forwards, where every lookup costs)."""
         bound = self._native_root_args(model)
         if bound is not None:
-            args, ids = bound
-            return cpu.kernel().root_draft(h0, token, *args, ids, *sampler.ranking(position), k)
+            native, (args, ids), ranking = cpu.kernel().root_draft, bound, sampler.ranking
+            return lambda h0, token, position: native(h0, token, *args, ids, *ranking(position), k)
         assert self.root is not None, "these heads have no root head"
-        return self.ranked(*self.root_step(h0, torch.tensor([token], device=h0.device), model), sampler, k, position)
+        return lambda h0, token, position: self.ranked(
+            *self.root_step(h0, torch.tensor([token], device=h0.device), model), sampler, k, position)
 
     def ranked(self, state: Tensor, logits: Tensor, sampler: Sampler, k: int,
                position: int) -> tuple[Tensor, list[int], list[float]]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -91,31 +92,32 @@ class DraftPlan:
 
     Levels are counted from the root's children. In separate mode the draft pass's backbone fills level 1; the root
     head (if any, and not switched off) fills the next `root_levels`, reading its own state back when chained; the
-    three heads fill what is left of `draft_levels`; n-gram chains go deeper.
+    three heads fill what is left of `draft_levels`; n-gram chains go deeper. Each derived value is worked out once:
+    a plan is a snapshot of the options and the heads (Engine.plan makes a fresh one), read at every step.
     """
 
     options: TokenSwiftOptions
     heads: DraftHeads | None
 
-    @property
+    @cached_property
     def draft_levels(self) -> int:
         """Tree levels below the root that the model's drafters fill (deeper ones only n-gram chains)."""
         opt = self.options
         assert opt.tree_budget is not None and opt.draft_depth is not None, "options not resolved"
         return min(opt.tree_budget - 1, opt.draft_depth)
 
-    @property
+    @cached_property
     def root_drafting(self) -> bool:
         """Whether the root head drafts: in fused mode the first token after the root, in separate mode the one
         after the backbone's draft."""
         return self.options.root_head and self.heads is not None and self.heads.root is not None
 
-    @property
+    @cached_property
     def backbone_levels(self) -> int:
         """Tree levels the draft pass's backbone logits fill: the first, in separate mode."""
         return 1 if self.options.draft_mode == "separate" else 0
 
-    @property
+    @cached_property
     def root_levels(self) -> int:
         """Tree levels the root head drafts, below the backbone's: as many as it chains, within draft_levels."""
         if not self.root_drafting:
@@ -123,12 +125,12 @@ class DraftPlan:
         assert self.heads is not None
         return max(0, min(self.heads.root_chain, self.draft_levels - self.backbone_levels))
 
-    @property
+    @cached_property
     def chained_drafting(self) -> bool:
         """Whether the root head drafts more than one level, reading its own state back (DraftHeads.root_step)."""
         return self.root_levels > 1
 
-    @property
+    @cached_property
     def graph_heads(self) -> bool:
         """Whether a compiled forward should compute the three heads' logits for every row: only when they fill a
         level. Otherwise reading their lm_head rows costs every step for nothing (drafting computes them from the

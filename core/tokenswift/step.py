@@ -23,7 +23,7 @@ import torch
 from core.generation.decoding import Generation, Step
 from core.runtime.kv_cache import PartialKVCache
 from core.tokenswift.calibration import DraftCalibrator
-from core.tokenswift.drafting import TokenSwiftEngine, draft_tree
+from core.tokenswift.drafting import Drafters, TokenSwiftEngine, draft_tree
 from core.tokenswift.ngram import NGramTable
 from core.tokenswift.tree import NGRAM
 
@@ -32,7 +32,8 @@ NO_HEADS_NOTICE = "no trained drafting heads for this model: TokenSwift drafts f
 
 def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step]:
     """TokenSwift decoding on `engine` (the engine registers it as "tokenswift")."""
-    plan = engine.plan
+    drafters = Drafters.of(engine, gen.sampler)
+    plan = drafters.plan
     opt = plan.options.validate()
     if plan.heads is None:
         engine.notice(NO_HEADS_NOTICE)
@@ -67,10 +68,10 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
             # the backbone drafts the token after the root; the heads, read at the root, the ones after that
             backbone, h_last = draft_logits[0], draft_hidden[0]
             head_logits = None if draft_heads is None else draft_heads[:, 0]
-        tree, proposed = draft_tree(engine, gen, head_logits, h_last, backbone, table, calibrator)
+        tree, proposed = draft_tree(drafters, gen, head_logits, h_last, backbone, table, calibrator)
         t1 = time.perf_counter()
         logits, hidden, tree_heads = engine.forward_with_heads(
-            torch.tensor(tree.tokens, device=device), tree.positions(root_pos, device), cache, tree.mask(device))
+            tree.token_ids(device), tree.positions(root_pos, device), cache, tree.mask(device))
         forward_s += time.perf_counter() - t1
         accepted_nodes, token = gen.walk(logits, tree.tokens, tree.parents, max(tree.depths))
         path = [tree.tokens[i] for i in accepted_nodes]

@@ -9,12 +9,13 @@ prefix-closed because a child never outranks its parent.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from core.tokenswift.calibration import Proposal
+from core.tokenswift.calibration import Proposed
 
 HEADS = 1
 NGRAM = 2
@@ -26,23 +27,38 @@ class Tree:
     parents: list[int]  # parent node index, -1 for the root; parents come before children
     depths: list[int]
     sources: list[int]  # bit set of HEADS / NGRAM that proposed the node
-    children: list[dict[int, int]] = field(default_factory=list)  # token -> child node
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def children(self) -> list[dict[int, int]]:
+        """Each node's children, token -> child node."""
+        out: list[dict[int, int]] = [{} for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            out[self.parents[i]][self.tokens[i]] = i
+        return out
+
+    # The verification forward's inputs are built in numpy: between two forwards, with the caches cold, a few numpy
+    # operations cost less than the torch operators that would build them.
+
     def mask(self, device: torch.device | str = "cpu") -> Tensor:
         """[n, n] bool: node i attends to node j iff j is i or one of its ancestors."""
-        n = len(self.tokens)
-        rows: list[list[bool]] = []
-        for i in range(n):  # a node's row is its parent's plus itself (parents come first)
-            row = list(rows[self.parents[i]]) if i else [False] * n
-            row[i] = True
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.bool, device=device)
+        rows = np.eye(len(self.tokens), dtype=bool)
+        for i in range(1, len(rows)):  # a node's row is its parent's plus itself (parents come first)
+            rows[i] |= rows[self.parents[i]]
+        return _tensor(rows, device)
 
     def positions(self, root_position: int, device: torch.device | str = "cpu") -> Tensor:
-        return torch.tensor([root_position + d for d in self.depths], dtype=torch.long, device=device)
+        return _tensor(np.add(self.depths, root_position, dtype=np.int64), device)
+
+    def token_ids(self, device: torch.device | str = "cpu") -> Tensor:
+        return _tensor(np.array(self.tokens, dtype=np.int64), device)
+
+
+def _tensor(array: np.ndarray, device: torch.device | str) -> Tensor:
+    t = torch.from_numpy(array)
+    return t if getattr(device, "type", device) == "cpu" else t.to(device)
 
 
 class TreeBuilder:
@@ -58,21 +74,26 @@ class TreeBuilder:
         """Insert the path below the root; scores[i] estimates the chance that path[:i+1] is accepted."""
         node = 0
         for token, score in zip(path, scores):
-            score = min(score, self.scores[node])
-            child = self.children[node].get(token)
-            if child is None:
-                child = len(self.tokens)
-                self.children[node][token] = child
-                self.tokens.append(token)
-                self.parents.append(node)
-                self.depths.append(self.depths[node] + 1)
-                self.sources.append(source)
-                self.scores.append(score)
-                self.children.append({})
-            else:
-                self.sources[child] |= source
-                self.scores[child] = max(self.scores[child], score)
-            node = child
+            node = self._child(node, token, score, source)
+
+    def _child(self, node: int, token: int, score: float, source: int) -> int:
+        """The child of `node` holding `token`, added if new, with the path's estimate through it (capped by its
+        parent's) merged in."""
+        score = min(score, self.scores[node])
+        child = self.children[node].get(token)
+        if child is None:
+            child = len(self.tokens)
+            self.children[node][token] = child
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.depths.append(self.depths[node] + 1)
+            self.sources.append(source)
+            self.scores.append(score)
+            self.children.append({})
+        else:
+            self.sources[child] |= source
+            self.scores[child] = max(self.scores[child], score)
+        return child
 
     def add_product(self, candidates: list[list[tuple[int, float]]], source: int = HEADS) -> None:
         """Every combination of per-depth candidates [(token, prob), ...], scored by the product of probabilities."""
@@ -89,33 +110,26 @@ class TreeBuilder:
     def add_chain(self, candidates: list[list[tuple[int, float]]], source: int = HEADS) -> None:
         """Per-depth candidates drafted along one path, each depth's knowing the top candidates above it (a chained
         root head): every candidate hangs under that path of top candidates, scored by the product along it."""
-        prefix: list[int] = []
-        scores: list[float] = []
+        node, above = 0, 1.0  # the path of top candidates so far, and its score
         for level in candidates:
-            above = scores[-1] if scores else 1.0
-            for token, p in level:
-                self.add(prefix + [token], scores + [above * p], source)
             if not level:
                 return
-            prefix.append(level[0][0])
-            scores.append(above * level[0][1])
+            children = [self._child(node, token, above * p, source) for token, p in level]
+            node, above = children[0], above * level[0][1]
 
-    def recalibrate(self, chance: Callable[[float, int, int], float]) -> list[Proposal]:
+    def recalibrate(self, chance: Callable[[float, int, int], float]) -> Proposed:
         """Rescore every node by `chance(raw score given its parent, sources, depth)`, the calibrated chance that it
-        is drawn once its parent is, times its parent's new score. Returns every node as proposed (Proposal), for
-        the calibrator to judge once the step is drawn."""
+        is drawn once its parent is, times its parent's new score. Returns the nodes as proposed, for the calibrator
+        to judge once the step is drawn."""
         raw = self.scores[:]
-        prefixes: list[tuple[int, ...]] = [()]
-        proposed: list[Proposal] = []
-        for i in range(1, len(self.tokens)):  # parents come before their children
+        given = [1.0] * len(raw)
+        for i in range(1, len(raw)):  # parents come before their children
             parent = self.parents[i]
-            prefixes.append(prefixes[parent] + (self.tokens[parent],) if parent else ())
-            given_parent = raw[i] if parent == 0 else (raw[i] / raw[parent] if raw[parent] > 0 else 0.0)
-            proposed.append((prefixes[i], self.tokens[i], given_parent, self.sources[i]))
+            given[i] = raw[i] if parent == 0 else (raw[i] / raw[parent] if raw[parent] > 0 else 0.0)
             # chances are at most 1, so a child never outranks its parent and the best nodes stay prefix-closed
-            self.scores[i] = (1.0 if parent == 0 else self.scores[parent]) * chance(given_parent, self.sources[i],
+            self.scores[i] = (1.0 if parent == 0 else self.scores[parent]) * chance(given[i], self.sources[i],
                                                                                      self.depths[i])
-        return proposed
+        return Proposed(self.children, given, self.sources)
 
     def build(self, budget: int, min_score: float = 0.0) -> Tree:
         """The root plus the `budget - 1` best nodes scoring at least `min_score`, parents before children."""
@@ -123,11 +137,7 @@ class TreeBuilder:
         order = sorted(nodes, key=lambda i: (-self.scores[i], i))[: max(0, budget - 1)]
         keep = [0] + sorted(order, key=lambda i: (self.depths[i], i))
         index = {old: new for new, old in enumerate(keep)}
-        tree = Tree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
-                    [self.depths[i] for i in keep], [self.sources[i] for i in keep])
-        tree.children = [{} for _ in keep]
-        for new, old in enumerate(keep[1:], start=1):
-            parent = tree.parents[new]
-            assert parent >= 0, "tree selection must be prefix-closed"
-            tree.children[parent][tree.tokens[new]] = new
-        return tree
+        parents = [-1] + [index.get(self.parents[i], -1) for i in keep[1:]]
+        assert min(parents[1:], default=0) >= 0, "tree selection must be prefix-closed"
+        return Tree([self.tokens[i] for i in keep], parents, [self.depths[i] for i in keep],
+                    [self.sources[i] for i in keep])

@@ -1901,10 +1901,11 @@ int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::T
 // The walk of a verified tree (core/tokenswift/step.py): from the root (node 0), draw the token after the sequence
 // and the path so far from the node's row of logits [n, >= vocab], exactly as `draw` does for that sequence (its
 // penalty window: the last W ids of history then path), and move to the child holding it; stop where none does.
-// Nodes are in `tokens` / `parents` order (parents first). keys[d]: the noise key of the draw at depth d. Returns
-// the accepted nodes (the path) and the token drawn after them.
+// Nodes are in `tokens` / `parents` order (parents first). The sequence is history's first `length` ids. keys[d]:
+// the noise key of the draw at depth d. Returns the accepted nodes (the path) and the token drawn after them.
 std::tuple<std::vector<int64_t>, int64_t> walk(torch::Tensor logits, int64_t vocab, std::vector<int64_t> tokens,
-                                               std::vector<int64_t> parents, torch::Tensor history, int64_t W,
+                                               std::vector<int64_t> parents, torch::Tensor history, int64_t length,
+                                               int64_t W,
                                                torch::Tensor banned, double temperature, double top_p, int64_t top_k,
                                                double min_p, double penalty, std::vector<int64_t> keys) {
   const int64_t n = static_cast<int64_t>(tokens.size());
@@ -1912,10 +1913,11 @@ std::tuple<std::vector<int64_t>, int64_t> walk(torch::Tensor logits, int64_t voc
                   logits.size(1) >= vocab, "walk: logits float32 [nodes, >= vocab]");
   TORCH_CHECK(static_cast<int64_t>(parents.size()) == n && n > 0 && parents[0] == -1, "walk: one parent per node");
   TORCH_CHECK(history.dim() == 1 && history.scalar_type() == at::kLong && W >= 1, "walk: history int64 [len]");
+  TORCH_CHECK(0 <= length && length <= history.numel(), "walk: length ", length, " outside the history");
   auto lc = logits.contiguous();
   auto hc = history.contiguous();
   const int64_t* hp = hc.data_ptr<int64_t>();
-  const int64_t H = hc.numel(), row = lc.stride(0);
+  const int64_t H = length, row = lc.stride(0);
   std::vector<int64_t> path, nodes;
   int64_t node = 0;
   while (true) {
