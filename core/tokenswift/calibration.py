@@ -30,18 +30,14 @@ class Proposed(NamedTuple):
 
 class DraftCalibrator:
     def __init__(self) -> None:
-        self._hits: dict[tuple[int, int, int], float] = {}
-        self._seen: dict[tuple[int, int, int], float] = {}
-
-    @staticmethod
-    def _key(score: float, source: int, depth: int) -> tuple[int, int, int]:
-        return source, min(depth, DEPTHS), min(BINS - 1, max(0, int(score * BINS)))
+        # (source, depth, bin) -> [drafts judged, drafts drawn]: one lookup per estimate, a dozen a step
+        self._counts: dict[tuple[int, int, int], list[float]] = {}
 
     def chance(self, score: float, source: int, depth: int = 1) -> float:
         """Estimated chance that a draft of this raw score, proposed by `source` at `depth` (1: right after the
         root), is the token drawn there, given that its parent was."""
-        key = self._key(score, source, depth)
-        return (self._hits.get(key, 0.0) + PRIOR * score) / (self._seen.get(key, 0.0) + PRIOR)
+        seen, hits = self._counts.get(_key(score, source, depth), _NONE)
+        return (hits + PRIOR * score) / (seen + PRIOR)
 
     def observe(self, drafts: Proposed, drawn: list[int]) -> None:
         """Record one step: the drafts as proposed and the tokens drawn after the root (the accepted path and the
@@ -50,9 +46,16 @@ class DraftCalibrator:
         node: int | None = 0
         for depth, token in enumerate(drawn, start=1):
             for draft, child in drafts.children[node].items():
-                key = self._key(drafts.scores[child], drafts.sources[child], depth)
-                self._seen[key] = self._seen.get(key, 0.0) + 1
-                self._hits[key] = self._hits.get(key, 0.0) + (draft == token)
+                counts = self._counts.setdefault(_key(drafts.scores[child], drafts.sources[child], depth), [0.0, 0.0])
+                counts[0] += 1
+                counts[1] += draft == token
             node = drafts.children[node].get(token)
             if node is None:
                 return
+
+
+_NONE = (0.0, 0.0)
+
+
+def _key(score: float, source: int, depth: int) -> tuple[int, int, int]:
+    return source, min(depth, DEPTHS), min(BINS - 1, max(0, int(score * BINS)))
