@@ -336,10 +336,11 @@ class Transformer(nn.Module):
         return cos[positions], sin[positions]
 
     def rope_table(self, rows: int) -> tuple[Tensor, Tensor]:
-        """The cos and sin tables [>= rows, head_dim], grown to cover `rows` positions."""
+        """The cos and sin tables [>= rows, head_dim], grown to cover `rows` positions (exactly, at first: a native
+        forward asks for its cache's length, and rows nobody reads would stay in the process's peak memory)."""
         have = 0 if self._rope_table is None else self._rope_table[0].shape[0]
         if have < rows:
-            self._rope_table = self._rope_rows(have, max(rows, 2 * have, 4096))
+            self._rope_table = self._rope_rows(have, max(rows, 2 * have))
         return self._rope_table
 
     def _rope_rows(self, start: int, end: int) -> tuple[Tensor, Tensor]:
