@@ -61,7 +61,7 @@ class ReadRate:
 
 def read_rate_now(mib: int = 128, samples: int = 5) -> float:
     """This CPU's read rate now (bytes/s): the median of `samples` sums over a fresh `mib` MiB buffer (four times a
-    large L3), freed before it returns. Taken before a model loads it never adds to the process's peak memory."""
+    large L3), freed before it returns."""
     rate = ReadRate(mib)
     for _ in range(samples):
         rate.sample()
