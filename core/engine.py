@@ -18,6 +18,7 @@ from torch import Tensor
 
 from core.generation.decoding import Generation, GenerationConfig, Step, StepFunction, vanilla_steps
 from core.generation.sampling import Sampler
+from core.generation.text import byte_pieces
 from core.runtime.compiled import CompiledRunner
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.runtime.loading import LoadedModel, load_model, release_freed_memory, resolve
@@ -88,6 +89,7 @@ class Engine:
                 heads.scorer(self.model, "lm")
         if compile:
             self.runner = self._compiled_runner()
+        byte_pieces(self.tokenizer)  # the streaming detokeniser's table, built once, here rather than mid-generation
         # Everything loaded so far (torch, transformers, the tokenizer: millions of objects) lives as long as the
         # engine: kept out of the garbage collector's passes, which would otherwise walk it during generation.
         gc.collect()

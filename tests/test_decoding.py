@@ -67,6 +67,22 @@ def test_length_stop_strings_and_ignore_eos(tiny: Engine, method: str) -> None:
     assert stop not in cut.text and cut.token_ids == full.token_ids[:cut.n_tokens]
 
 
+def test_a_stop_string_over_several_steps_cuts_where_it_begins(tiny: Engine) -> None:
+    """Stop strings of several lengths, cut out of the text anywhere (so most straddle two or more steps' deltas):
+    the text stops in the first of them to be complete, before its end, with none of them whole in it; what a delta
+    had shown of it before it was complete stays shown."""
+    ids = list(range(10, 40))
+    config = GenerationConfig(max_new_tokens=160, method="tokenswift", sampling=PRESETS["studio"], ignore_eos=True)
+    text = tiny.generate(ids, config).run().text
+    assert len(text) > 100
+    for start in range(0, len(text) - 12, len(text) // 12):
+        stops = ("\x00never", text[start:start + 9], text[start + 4:start + 6])
+        cut = tiny.generate(ids, replace(config, stop_strings=stops)).run()
+        first = min((text.find(s), s) for s in stops[1:])
+        assert cut.stop_reason == "stop_string" and text.startswith(cut.text), start
+        assert first[0] <= len(cut.text) < first[0] + len(first[1]) and not any(s in cut.text for s in stops), start
+
+
 @pytest.mark.parametrize("method", ["ar", "tokenswift"])
 def test_cancel_is_checked_every_step(tiny: Engine, method: str) -> None:
     steps = []

@@ -21,6 +21,7 @@ from core.generation.sampling import (
     SamplingSettings,
     apply_penalty,
     filter_logits,
+    _mix,
     gumbel_noise,
     rank_drafts,
 )
@@ -67,6 +68,24 @@ def test_noise_is_a_function_of_seed_position_and_token() -> None:
     assert torch.equal(gumbel_noise(5, 100, ids), gumbel_noise(5, 100, 64)[ids])
     g = gumbel_noise(7, 3, 200_000).double()  # standard Gumbel: mean ~0.5772, variance pi^2 / 6
     assert abs(g.mean() - 0.5772) < 0.01 and abs(g.var() - 1.6449) < 0.03
+
+
+def test_the_kernels_key_and_window_each_draw_as_the_sampler_does() -> None:
+    """The bound draw (kernels/cpu.cpp: Draw) derives a position's noise key as the sampler does, and a draw after
+    the sequence so far takes the sequence's last ids as its window, as a draw given that window does."""
+    assert kernel() is not None, "the CPU kernels did not build"
+    for seed in (0, 1, 12345, 2**63 - 1):
+        native = Sampler(SamplingSettings(seed=seed), 64).native
+        assert [native.key(p) for p in (0, 1, 7, 10**6, 2**40)] == [_mix(seed, p) for p in (0, 1, 7, 10**6, 2**40)]
+    sampler = Sampler(SamplingSettings(temperature=1.0, top_p=1.0, penalty=3.0, penalty_window=4), 64)
+    history = torch.randint(64, (20,), generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(4))
+    drawn = set()
+    for length in range(0, 21):
+        window = history[max(0, length - 4):length]
+        drawn.add(sampler.draw(logits, window, length))
+        assert sampler.draw_after(logits, history, length) == sampler.draw(logits, window, length), length
+    assert len(drawn) > 5  # the windows and keys differ, and so do the draws
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -191,9 +210,9 @@ def test_the_kernels_walk_accepts_what_drawing_node_by_node_accepts(smol_engine,
                 if len(tokens) < 16 and child not in [t for t, p in zip(tokens, parents) if p == node]:
                     tokens.append(child), parents.append(node), depths.append(depths[node] + 1)
                     paths.append(paths[node] + [child])
-        native = gen.walk(rows[: len(tokens)], tokens, parents, max(depths))
+        native = gen.walk(rows[: len(tokens)], tokens, parents)
         gen.sampler.walk = lambda *args: None  # the draw-by-draw walk
-        assert gen.walk(rows[: len(tokens)], tokens, parents, max(depths)) == native, trial
+        assert gen.walk(rows[: len(tokens)], tokens, parents) == native, trial
         deepest = max(deepest, len(native[0]))
     assert deepest >= 3
 

@@ -306,7 +306,7 @@ class CutMidCharacter:
 
     def generate(self, prompt_ids, config, cancel=None, resume_ids=()):
         def cut() -> bool:
-            unfinished = not resume_ids and gen.stream.read < len(gen.stream.ids)
+            unfinished = not resume_ids and gen.stream.holding
             return unfinished or cancel()
 
         gen = self.engine.generate(prompt_ids, config, cancel=cut, resume_ids=resume_ids)

@@ -149,12 +149,15 @@ class Generation:
         self.token_buf[:len(self.tokens)] = self.tokens
         self.token_tensor = torch.from_numpy(self.token_buf)  # the same memory, for the kernels' walk
         cfg = decoder.model.cfg
+        self.eos_ids = frozenset(cfg.eos_token_ids)
         banned = cfg.eos_token_ids if config.ignore_eos else ()
         self.sampler = Sampler(config.sampling, cfg.vocab_size, banned)
         self.stream = TextStream(decoder.tokenizer)
         self.steps: list[Step] = []
         self.n_resumed = len(resume_ids)
-        self.text = self.stream.push(list(resume_ids))  # the output text so far, as streamed
+        self._text: list[str] = []  # the output text so far, as streamed, in pieces (`text` joins them)
+        self._recent = ""  # its last characters, as many as a stop string could straddle
+        self._append(self.stream.push(list(resume_ids)))
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.stop_reason = ""
@@ -181,14 +184,16 @@ class Generation:
 
     def draw(self, logits_row: Tensor, extra: list[int] = ()) -> int:  # type: ignore[assignment]
         """Draw the token after the sequence (+ `extra` path tokens) from one row of logits."""
+        if not extra:
+            return self.sampler.draw_after(logits_row, self.token_tensor, len(self.tokens))
         return self.sampler.draw(logits_row, self._window_ids(extra), len(self.tokens) + len(extra))
 
-    def walk(self, logits: Tensor, tokens: list[int], parents: list[int], depth: int) -> tuple[list[int], int]:
-        """The walk of a verified tree (nodes `tokens`, `parents` first, the deepest at `depth`; row i of logits
-        [n, V] is node i's): from the root, draw the node's next token as `draw` would after the sequence and the path
-        so far, and move to the child holding it; stop where none does. Returns the accepted nodes (the path) and
-        the token drawn after them. One call of the kernels where they are built (Sampler.walk)."""
-        walked = self.sampler.walk(logits, tokens, parents, self.token_tensor, len(self.tokens), depth)
+    def walk(self, logits: Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+        """The walk of a verified tree (nodes `tokens`, `parents` first; row i of logits [n, V] is node i's): from
+        the root, draw the node's next token as `draw` would after the sequence and the path so far, and move to the
+        child holding it; stop where none does. Returns the accepted nodes (the path) and the token drawn after them.
+        One call of the kernels where they are built (Sampler.walk)."""
+        walked = self.sampler.walk(logits, tokens, parents, self.token_tensor, len(self.tokens))
         if walked is not None:
             return walked
         node, path, nodes = 0, [], []
@@ -227,8 +232,7 @@ class Generation:
         its bookkeeping (detokenising, stop strings) counts in the decode time like its forwards.
         Returns the step, or None if nothing was added. Sets `stop_reason` when the generation is over.
         """
-        cfg = self.config
-        eos = set(self.decoder.model.cfg.eos_token_ids)
+        cfg, eos = self.config, self.eos_ids
         kept: list[int] = []
         for t in new_ids:
             if self.n_out + len(kept) >= cfg.max_new_tokens:
@@ -247,7 +251,7 @@ class Generation:
         if self.stop_reason:
             text += self.stream.flush()
         text = self._cut_at_stop_string(text)
-        self.text += text
+        self._append(text)
         seconds = time.perf_counter() - started
         self.decode_s += seconds
         if not kept:
@@ -258,25 +262,41 @@ class Generation:
         self.steps.append(step)
         return step
 
+    @property
+    def text(self) -> str:
+        """The output text so far, as streamed. Kept in pieces, joined when read: appending to one string would copy
+        all of it every step, a cost that grows with the text."""
+        if len(self._text) > 1:
+            self._text[:] = ["".join(self._text)]
+        return self._text[0] if self._text else ""
+
+    def _append(self, delta: str) -> None:
+        if not delta:
+            return
+        self._text.append(delta)
+        stops = self.config.stop_strings
+        if stops:
+            tail = self._recent + delta
+            self._recent = tail[max(0, len(tail) - max(map(len, stops)) + 1):]
+
     def _cut_at_stop_string(self, delta: str) -> str:
         """The delta up to (not including) the first stop string that the text now contains."""
         stops = self.config.stop_strings
         if not stops or not delta:
             return delta
         # a stop string may straddle the old text and the delta: search from where it could begin
-        start = max(0, len(self.text) - max(map(len, stops)) + 1)
-        window = self.text[start:] + delta
+        window = self._recent + delta
         hits = [window.find(s) for s in stops if s and s in window]
         if not hits:
             return delta
         self.stop_reason = "stop_string"
-        return window[:min(hits)][len(self.text) - start:]
+        return window[:min(hits)][len(self._recent):]
 
     def finish(self) -> Result:
         # The result's text is whole: it adds a character held back when the loop ended early (cancel, error),
         # which no step's text holds (the worker leaves it out of a resumable run's stored text).
         if self.stop_reason != "stop_string":
-            self.text += self.stream.flush()
+            self._append(self.stream.flush())
         self.result = Result(self.tokens[len(self.prompt_ids):], self.text, len(self.prompt_ids), self.prefill_s,
                              self.decode_s, self.stop_reason or "length", self.steps, self.n_resumed)
         return self.result

@@ -11,6 +11,7 @@ core/runtime/kernels/cpu.cpp).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -221,12 +222,6 @@ class Sampler:
                                        s.min_p, keys, k)
         return ranked, p
 
-    def ranking(self, position: int) -> tuple[Tensor, float, float, int, float, int]:
-        """How the kernels rank drafts for sequence `position` (kernels/cpu.cpp: rank_row): the banned ids, the
-        draw's filters and the position's noise key, as `rank_drafts` passes them."""
-        s = self.s
-        return self._banned_ids, s.temperature, s.top_p, s.top_k, s.min_p, _mix(s.seed, position)
-
     def _without_banned(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
         """An fp32 copy of logits [rows, V'] with the banned ids at -inf; column j scores token ids[j] (None or
         empty: token j)."""
@@ -238,30 +233,36 @@ class Sampler:
                 out[:, self.banned] = float("-inf")
         return out
 
+    @functools.cached_property
+    def native(self) -> Any | None:
+        """This sampler's draw on our CPU kernels, its settings bound once (kernels/cpu.cpp: Draw; it defines the
+        draw wherever it runs, both decoders calling it alike); None where the kernels are not built."""
+        native, s = kernel(), self.s
+        return None if native is None else native.Draw(self.vocab, self._banned_ids, s.temperature, s.top_p, s.top_k,
+                                                      s.min_p, s.penalty, s.penalty_window, s.seed)
+
     def draw(self, logits: Tensor, window: Tensor, position: int) -> int:
         """The token drawn at sequence `position` from one row of logits [V] whose penalty window is `window` [W]:
-        `choose(scores(...))` in one pass of our CPU kernel where it is built (kernels/cpu.cpp: draw; it defines the
-        draw wherever it runs, both decoders calling it alike), else PyTorch's operators."""
-        native = kernel()
+        `choose(scores(...))` in one pass of our CPU kernel where it is built, else PyTorch's operators."""
+        native = self.native
         if native is None:
             return int(self.choose(self.scores(logits[None], window[None]), [position])[0])
-        s = self.s
-        window = window if window.device.type == "cpu" else window.cpu()
-        return native.draw(_cpu_float(logits), self.vocab, window, self._banned_ids, s.temperature, s.top_p, s.top_k,
-                           s.min_p, s.penalty, _mix(s.seed, position))
+        return native.draw(_cpu_float(logits), window if window.device.type == "cpu" else window.cpu(), position)
 
-    def walk(self, logits: Tensor, tokens: list[int], parents: list[int], history: Tensor, length: int,
-             depth: int) -> tuple[list[int], int] | None:
-        """Generation.walk in one call of our CPU kernel (kernels/cpu.cpp: walk, each draw its `draw`) after the
-        sequence `history[:length]` (int64 on the CPU: the buffer itself, not a slice of it, between two forwards),
-        through a tree whose deepest node is at `depth`; None where the kernels are not built."""
-        native = kernel()
+    def draw_after(self, logits: Tensor, history: Tensor, length: int) -> int:
+        """`draw` after the sequence `history[:length]` (int64 on the CPU: the buffer itself, not a slice of it), at
+        position `length`: the window is the sequence's last ids."""
+        native = self.native
         if native is None:
-            return None
-        s = self.s
-        keys = [_mix(s.seed, length + d) for d in range(depth + 1)]
-        return native.walk(_cpu_float(logits), self.vocab, tokens, parents, history, length, s.penalty_window,
-                           self._banned_ids, s.temperature, s.top_p, s.top_k, s.min_p, s.penalty, keys)
+            return self.draw(logits, history[max(0, length - self.s.penalty_window):length], length)
+        return native.next(_cpu_float(logits), history, length)
+
+    def walk(self, logits: Tensor, tokens: list[int], parents: list[int], history: Tensor,
+             length: int) -> tuple[list[int], int] | None:
+        """Generation.walk in one call of our CPU kernel (kernels/cpu.cpp: Draw.walk, each draw its `draw`) after the
+        sequence `history[:length]` (as `draw_after` takes it); None where the kernels are not built."""
+        native = self.native
+        return None if native is None else native.walk(_cpu_float(logits), tokens, parents, history, length)
 
     def choose(self, scores: Tensor, positions: list[int]) -> Tensor:
         """The token drawn at each row; row i is the draw for sequence position positions[i]: the argmax of the

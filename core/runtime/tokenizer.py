@@ -88,6 +88,11 @@ class PlainTokenizer:
         raise AttributeError(name)
 
     @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers` object itself, as transformers' fast tokenizers expose it."""
+        return self.backend
+
+    @property
     def all_special_ids(self) -> list[int]:
         return [self.backend.token_to_id(t) for t in self.all_special_tokens]
 

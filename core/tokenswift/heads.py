@@ -24,6 +24,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -80,8 +81,8 @@ class DraftHeads(nn.Module):
         # "lm" / "root_lm": the model and the lm_head rows each scores there, a layer (native) or a weight [V', hidden]
         self._scorers: dict[str, tuple[Transformer, NativeLinear | Tensor]] = {}
         self.root_format: str | None = None  # the root head's own format on the kernels, if not its model's (to_native)
-        # (model, the rows it scores there, what _native_root_args gives for them): bound once, checked each level
-        self._root_args: tuple[Transformer, NativeLinear, tuple] | None = None
+        # (model, the rows it scores there, the root head bound on the kernels for them): made once, checked each use
+        self._root_native: tuple[Transformer, NativeLinear, Any] | None = None
 
     @classmethod
     def initial(cls, model: Transformer, n_heads: int = 3, vocab: Tensor | None = None,
@@ -161,9 +162,9 @@ class DraftHeads(nn.Module):
         """The root head's pre-norm state [n, hidden] and its logits [n, len(root_ids)]. A chained root head
         (`root_chain` > 1) reads that state back with the token drafted from the logits, one level deeper."""
         assert self.root is not None, "these heads have no root head"
-        bound = self._native_root_args(model)
-        if bound is not None:  # one call of the kernels, the roots' embeddings looked up there too
-            return cpu.kernel().root_step(h0, roots, *bound[0])
+        native = self._native_root(model)
+        if native is not None:  # one call of the kernels, the roots' embeddings looked up there too
+            return tuple(native.step(h0, roots))
         state = self.root(h0, model.embed(roots))
         return state, self._score(self.root.norm_out(state), self.scorer(model, "root_lm"))
 
@@ -177,10 +178,9 @@ class DraftHeads(nn.Module):
     def root_drafter(self, model: Transformer, sampler: Sampler, k: int) -> RootDraft:
         """root_draft with `model`, `sampler` and `k` bound: its weights and settings looked up once, for a whole
         generation's levels (each runs between two forwards, where every lookup costs)."""
-        bound = self._native_root_args(model)
-        if bound is not None:
-            native, (args, ids), ranking = cpu.kernel().root_draft, bound, sampler.ranking
-            return lambda h0, token, position: native(h0, token, *args, ids, *ranking(position), k)
+        native = self._native_root(model)
+        if native is not None:  # (the kernels are built, so the sampler's draw is bound on them too)
+            return cpu.kernel().RootDrafter(native, self.root_ids, sampler.native, k)
         assert self.root is not None, "these heads have no root head"
         return lambda h0, token, position: self.ranked(
             *self.root_step(h0, torch.tensor([token], device=h0.device), model), sampler, k, position)
@@ -192,11 +192,10 @@ class DraftHeads(nn.Module):
         ids, p = sampler.rank_drafts(logits, k, position, self.root_ids)
         return state, ids.tolist()[0], p.tolist()[0]
 
-    def _native_root_args(self, model: Transformer) -> tuple[tuple, Tensor] | None:
-        """The root head's weights as the kernels' root_step takes them after (h0, roots), and the token ids it
-        scores, found once for `model` (it runs every drafted level, between forwards, where each check costs);
-        None where the root head does not run on the kernels."""
-        bound = self._root_args
+    def _native_root(self, model: Transformer) -> Any | None:
+        """The root head bound on the kernels (cpu.cpp: RootHead) with `model`'s embeddings and the lm_head rows it
+        scores, made once for `model`; None where the root head does not run on the kernels."""
+        bound = self._root_native
         if bound is not None and bound[0] is model and self._scorers.get("root_lm", (None, None))[1] is bound[1]:
             return bound[2]  # the same model and the same scored rows (any change of them drops the entry)
         assert self.root is not None, "these heads have no root head"
@@ -207,9 +206,9 @@ class DraftHeads(nn.Module):
         lin, meta = NativeLinear.listed((self.root.up, self.root.down, rows))
         code, data, d, m, bias, n = model.embed.table.kernel_args()
         norms = [self.root.norm_h.weight, self.root.norm_e.weight, self.root.norm_out.weight]
-        args = (norms, self.root.norm_h.eps, lin + [data, d, m, bias], meta + [code, n])
-        self._root_args = (model, rows, (args, self.root_ids))
-        return self._root_args[2]
+        native = cpu.kernel().RootHead(norms, self.root.norm_h.eps, lin + [data, d, m, bias], meta + [code, n])
+        self._root_native = (model, rows, native)
+        return native
 
     @staticmethod
     def _score(states: Tensor, rows: NativeLinear | Tensor) -> Tensor:

@@ -73,7 +73,7 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
         logits, hidden, tree_heads = engine.forward_with_heads(
             tree.token_ids(device), tree.positions(root_pos, device), cache, tree.mask(device))
         forward_s += time.perf_counter() - t1
-        accepted_nodes, token = gen.walk(logits, tree.tokens, tree.parents, max(tree.depths))
+        accepted_nodes, token = gen.walk(logits, tree.tokens, tree.parents)
         path = [tree.tokens[i] for i in accepted_nodes]
         node = accepted_nodes[-1] if accepted_nodes else 0
         cache.keep([0] + accepted_nodes)

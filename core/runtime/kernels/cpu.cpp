@@ -1572,6 +1572,14 @@ inline uint64_t splitmix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// The noise key of the draw at sequence `position` (core/generation/sampling.py: _mix, the same function): splitmix64
+// of (seed, position), so neighbouring positions get unrelated noise.
+inline int64_t noise_key(uint64_t seed, int64_t position) {
+  const uint64_t z = seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(position) * 0xBF58476D1CE4E5B9ULL +
+                     0x94D049BB133111EBULL;
+  return static_cast<int64_t>(splitmix(z) & 0x7FFFFFFFFFFFFFFFULL);
+}
+
 // Gumbel noise of token `id` at the position whose key (a hash of seed and position) is `key`: the same function as
 // core/generation/sampling.py's gumbel_noise.
 inline float gumbel(uint64_t key, int64_t id) {
@@ -1887,55 +1895,109 @@ int64_t draw_row(const float* lp, int64_t vocab, const IdRuns& window, const tor
 
 }  // namespace
 
-// draw_row of one row of logits [>= vocab] whose penalty window is `window` [W].
-int64_t draw(torch::Tensor logits, int64_t vocab, torch::Tensor window, torch::Tensor banned, double temperature,
-             double top_p, int64_t top_k, double min_p, double penalty, int64_t key) {
-  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab, "draw: logits");
-  TORCH_CHECK(window.scalar_type() == at::kLong, "draw: window ids must be int64");
-  auto lc = logits.contiguous();
-  auto wc = window.contiguous();
-  return draw_row(lc.data_ptr<float>(), vocab, {wc.data_ptr<int64_t>(), wc.numel(), nullptr, 0}, banned,
-                  temperature, top_p, top_k, min_p, penalty, key);
+// The ids, sorted.
+std::vector<int64_t> sorted_ids(const torch::Tensor& ids) {
+  auto c = ids.contiguous();
+  std::vector<int64_t> out(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
-// The walk of a verified tree (core/tokenswift/step.py): from the root (node 0), draw the token after the sequence
-// and the path so far from the node's row of logits [n, >= vocab], exactly as `draw` does for that sequence (its
-// penalty window: the last W ids of history then path), and move to the child holding it; stop where none does.
-// Nodes are in `tokens` / `parents` order (parents first). The sequence is history's first `length` ids. keys[d]:
-// the noise key of the draw at depth d. Returns the accepted nodes (the path) and the token drawn after them.
-std::tuple<std::vector<int64_t>, int64_t> walk(torch::Tensor logits, int64_t vocab, std::vector<int64_t> tokens,
-                                               std::vector<int64_t> parents, torch::Tensor history, int64_t length,
-                                               int64_t W,
-                                               torch::Tensor banned, double temperature, double top_p, int64_t top_k,
-                                               double min_p, double penalty, std::vector<int64_t> keys) {
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(0) == n &&
-                  logits.size(1) >= vocab, "walk: logits float32 [nodes, >= vocab]");
-  TORCH_CHECK(static_cast<int64_t>(parents.size()) == n && n > 0 && parents[0] == -1, "walk: one parent per node");
-  TORCH_CHECK(history.dim() == 1 && history.scalar_type() == at::kLong && W >= 1, "walk: history int64 [len]");
-  TORCH_CHECK(0 <= length && length <= history.numel(), "walk: length ", length, " outside the history");
-  auto lc = logits.contiguous();
-  auto hc = history.contiguous();
-  const int64_t* hp = hc.data_ptr<int64_t>();
-  const int64_t H = length, row = lc.stride(0);
-  std::vector<int64_t> path, nodes;
-  int64_t node = 0;
-  while (true) {
-    const int64_t d = static_cast<int64_t>(path.size());
-    TORCH_CHECK(d < static_cast<int64_t>(keys.size()), "walk: a noise key per depth");
-    const int64_t from_path = std::min(d, W), from_history = std::min(H, W - from_path);
-    const IdRuns window{hp + H - from_history, from_history, path.data() + d - from_path, from_path};
-    const int64_t token = draw_row(lc.data_ptr<float>() + node * row, vocab, window, banned, temperature, top_p,
-                                   top_k, min_p, penalty, keys[d]);
-    int64_t child = -1;
-    for (int64_t i = node + 1; i < n && child < 0; ++i)
-      if (parents[i] == node && tokens[i] == token) child = i;
-    if (child < 0) return {nodes, token};
-    node = child;
-    nodes.push_back(node);
-    path.push_back(token);
+// A generation's draw (core/generation/sampling.py: Sampler), its settings bound once: a draw then passes only its
+// logits and where it is, between two forwards, where converting each setting again costs more than the draw's
+// bookkeeping. `window` is the penalty window's length W; the noise key of position t is noise_key(seed, t).
+class Draw {
+ public:
+  Draw(int64_t vocab, torch::Tensor banned, double temperature, double top_p, int64_t top_k, double min_p,
+       double penalty, int64_t window, int64_t seed)
+      : vocab_(vocab), banned_(banned.contiguous()), temperature_(temperature), top_p_(top_p), min_p_(min_p),
+        penalty_(penalty), top_k_(top_k), W_(window), seed_(static_cast<uint64_t>(seed)) {
+    TORCH_CHECK(banned_.scalar_type() == at::kLong, "Draw: banned ids must be int64");
+    TORCH_CHECK(W_ >= 1 && seed >= 0, "Draw: a window of at least one id and a seed >= 0");
   }
-}
+
+  int64_t key(int64_t position) const { return noise_key(seed_, position); }
+
+  // draw_row of one row of logits [>= vocab] at sequence `position`, whose penalty window is `window` [W].
+  int64_t draw(const torch::Tensor& logits, const torch::Tensor& window, int64_t position) const {
+    check_logits(logits);
+    TORCH_CHECK(window.scalar_type() == at::kLong, "draw: window ids must be int64");
+    auto lc = logits.contiguous();
+    auto wc = window.contiguous();
+    return row(lc.data_ptr<float>(), {wc.data_ptr<int64_t>(), wc.numel(), nullptr, 0}, key(position));
+  }
+
+  // The draw after the sequence history[:length] (int64), at position `length`: its penalty window the last W ids.
+  int64_t next(const torch::Tensor& logits, const torch::Tensor& history, int64_t length) const {
+    check_logits(logits);
+    check_history(history, length);
+    auto lc = logits.contiguous();
+    auto hc = history.contiguous();
+    const int64_t from = std::min(length, W_);
+    return row(lc.data_ptr<float>(), {hc.data_ptr<int64_t>() + length - from, from, nullptr, 0}, key(length));
+  }
+
+  // The walk of a verified tree (core/tokenswift/step.py): from the root (node 0), draw the token after the sequence
+  // and the path so far from the node's row of logits [n, >= vocab], exactly as `draw` does for that sequence (its
+  // penalty window: the last W ids of history then path), and move to the child holding it; stop where none does.
+  // Nodes are in `tokens` / `parents` order (parents first). The sequence is history's first `length` ids. Returns
+  // the accepted nodes (the path) and the token drawn after them.
+  std::tuple<std::vector<int64_t>, int64_t> walk(const torch::Tensor& logits, const std::vector<int64_t>& tokens,
+                                                 const std::vector<int64_t>& parents, const torch::Tensor& history,
+                                                 int64_t length) const {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(0) == n &&
+                    logits.size(1) >= vocab_, "walk: logits float32 [nodes, >= vocab]");
+    TORCH_CHECK(static_cast<int64_t>(parents.size()) == n && n > 0 && parents[0] == -1, "walk: one parent per node");
+    check_history(history, length);
+    auto lc = logits.contiguous();
+    auto hc = history.contiguous();
+    const int64_t* hp = hc.data_ptr<int64_t>();
+    const int64_t H = length, stride = lc.stride(0);
+    std::vector<int64_t> path, nodes;
+    int64_t node = 0;
+    while (true) {
+      const int64_t d = static_cast<int64_t>(path.size());
+      const int64_t from_path = std::min(d, W_), from_history = std::min(H, W_ - from_path);
+      const IdRuns window{hp + H - from_history, from_history, path.data() + d - from_path, from_path};
+      const int64_t token = row(lc.data_ptr<float>() + node * stride, window, key(length + d));
+      int64_t child = -1;
+      for (int64_t i = node + 1; i < n && child < 0; ++i)
+        if (parents[i] == node && tokens[i] == token) child = i;
+      if (child < 0) return {nodes, token};
+      node = child;
+      nodes.push_back(node);
+      path.push_back(token);
+    }
+  }
+
+  // What rank_row takes of the draw: the banned ids (sorted) and the filters.
+  std::vector<int64_t> banned_sorted() const { return sorted_ids(banned_); }
+  double temperature() const { return temperature_; }
+  double top_p() const { return top_p_; }
+  int64_t top_k() const { return top_k_; }
+  double min_p() const { return min_p_; }
+
+ private:
+  void check_logits(const torch::Tensor& logits) const {
+    TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab_, "draw: logits");
+  }
+
+  void check_history(const torch::Tensor& history, int64_t length) const {
+    TORCH_CHECK(history.dim() == 1 && history.scalar_type() == at::kLong, "draw: history int64 [len]");
+    TORCH_CHECK(0 <= length && length <= history.numel(), "draw: length ", length, " outside the history");
+  }
+
+  int64_t row(const float* logits, const IdRuns& window, int64_t key) const {
+    return draw_row(logits, vocab_, window, banned_, temperature_, top_p_, top_k_, min_p_, penalty_, key);
+  }
+
+  int64_t vocab_;
+  torch::Tensor banned_;
+  double temperature_, top_p_, min_p_, penalty_;
+  int64_t top_k_, W_;
+  uint64_t seed_;
+};
 
 // Drafts ranked as they will be drawn, for one row of a drafter's logits v [n] over token ids `idp` (null: column j
 // is token j), in place: banned ids (sorted) out, then (temperature 0) the softmax of the raw scores, or the draw's
@@ -1976,13 +2038,6 @@ void rank_row(float* v, int64_t n, const int64_t* idp, const std::vector<int64_t
       ids[i] = token(j);
       p[i++] = 0.0f;
     }
-}
-
-std::vector<int64_t> sorted_ids(const torch::Tensor& ids) {
-  auto c = ids.contiguous();
-  std::vector<int64_t> out(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 // rank_row for each row of logits [rows, V], row r at noise key keys[r]: token ids and probabilities [rows, k] each.
@@ -2055,67 +2110,144 @@ torch::Tensor embed_rows(torch::Tensor ids, int64_t fmt, torch::Tensor a, torch:
   return embed_of(linear_from(fmt, a, d, m, torch::Tensor(), n, k), ids.reshape(-1), "embed_rows");
 }
 
-// The root head's step (core/tokenswift/heads.py: RootHead, then its scoring) for rows h0 [R, H] and the roots'
-// token ids [R]: state = h0 + down(silu(up([norm_h(h0); norm_e(e)]))), logits = scorer(norm_out(state)), e the
-// roots' embeddings. `norms`: the three norms' weights; `lin`: up, down, the scored lm_head rows and the embedding
-// table as (packed, scales, mins, bias) each, `meta` their (format, outputs). One call for what is otherwise a dozen
-// operators per drafted level, each paying for caches a forward has just emptied; its drafts only choose what is
-// verified, never a token.
-std::vector<torch::Tensor> root_step(const torch::Tensor& h0, const torch::Tensor& roots,
-                                     const std::vector<torch::Tensor>& norms, double eps,
-                                     const std::vector<torch::Tensor>& lin, const std::vector<int64_t>& meta) {
-  TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat, "root_step: h0 float32 [R, H]");
-  TORCH_CHECK(roots.numel() == h0.size(0), "root_step: one root per row of h0");
-  TORCH_CHECK(norms.size() == 3 && lin.size() == 16 && meta.size() == 8,
-              "root_step: 3 norms, 3 linear layers and the embedding table");
-  auto hc = h0.contiguous();
-  const int64_t R = hc.size(0), H = hc.size(1), W = meta[1];
-  const Linear up = linear_from(meta[0], lin[0], lin[1], lin[2], lin[3], W, 2 * H);
-  const Linear down = linear_from(meta[2], lin[4], lin[5], lin[6], lin[7], meta[3], W);
-  const Linear scorer = linear_from(meta[4], lin[8], lin[9], lin[10], lin[11], meta[5], H);
-  const Linear table = linear_from(meta[6], lin[12], lin[13], lin[14], torch::Tensor(), meta[7], H);
-  TORCH_CHECK(down.n == H, "root_step: the down projection must give the hidden size");
-  const torch::Tensor ec = embed_of(table, roots.reshape(-1), "root_step");
-  const float ep = static_cast<float>(eps);
-  std::vector<float> a(R * H), b(R * H), x(R * 2 * H), u(R * W), normed(R * H);
-  rms_norm(hc.data_ptr<float>(), norms[0].contiguous().data_ptr<float>(), R, H, ep, a.data(), false);
-  rms_norm(ec.data_ptr<float>(), norms[1].contiguous().data_ptr<float>(), R, H, ep, b.data(), false);
-  for (int64_t r = 0; r < R; ++r) {
-    std::copy(&a[r * H], &a[(r + 1) * H], &x[r * 2 * H]);
-    std::copy(&b[r * H], &b[(r + 1) * H], &x[r * 2 * H + H]);
+// The root head (core/tokenswift/heads.py: RootHead, then its scoring), its weights found and checked once: for
+// rows h0 [R, H] and the roots' token ids [R], state = h0 + down(silu(up([norm_h(h0); norm_e(e)]))) and logits =
+// scorer(norm_out(state)), e the roots' embeddings. `norms`: the three norms' weights; `lin`: up, down, the scored
+// lm_head rows and the embedding table as (packed, scales, mins, bias) each, `meta` their (format, outputs). A step
+// is one call and one parallel region, since each operator, region and argument conversion between two forwards
+// pays for caches the forward has just emptied; its drafts only choose what is verified, never a token.
+class RootHead {
+ public:
+  RootHead(std::vector<torch::Tensor> norms, double eps, std::vector<torch::Tensor> lin, std::vector<int64_t> meta) {
+    TORCH_CHECK(norms.size() == 3 && lin.size() == 16 && meta.size() == 8,
+                "RootHead: 3 norms, 3 linear layers and the embedding table");
+    for (auto& t : norms) t = t.contiguous();
+    for (const auto& t : norms)
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1, "RootHead: float32 norm weights");
+    H_ = norms[0].numel();
+    TORCH_CHECK(norms[1].numel() == H_ && norms[2].numel() == H_, "RootHead: the norms must span the hidden size");
+    up_ = linear_from(meta[0], lin[0], lin[1], lin[2], lin[3], meta[1], 2 * H_);
+    down_ = linear_from(meta[2], lin[4], lin[5], lin[6], lin[7], meta[3], meta[1]);
+    scorer_ = linear_from(meta[4], lin[8], lin[9], lin[10], lin[11], meta[5], H_);
+    table_ = linear_from(meta[6], lin[12], lin[13], lin[14], torch::Tensor(), meta[7], H_);
+    TORCH_CHECK(down_.n == H_, "RootHead: the down projection must give the hidden size");
+    norm_h_ = norms[0].data_ptr<float>();
+    norm_e_ = norms[1].data_ptr<float>();
+    norm_out_ = norms[2].data_ptr<float>();
+    eps_ = static_cast<float>(eps);
+    // held, so the pointers above stay valid for the object's life
+    held_ = norms;
+    held_.insert(held_.end(), lin.begin(), lin.end());
   }
-  linear_into(up, x.data(), R, u.data(), false);
-  for (float& v : u) v = v / (1.0f + std::exp(-v));  // SiLU
-  auto state = torch::empty({R, H}, torch::kFloat);
-  float* sp = state.data_ptr<float>();
-  linear_into(down, u.data(), R, sp, false);
-  const float* hp = hc.data_ptr<float>();
-  for (int64_t i = 0; i < R * H; ++i) sp[i] += hp[i];
-  rms_norm(sp, norms[2].contiguous().data_ptr<float>(), R, H, ep, normed.data(), false);
-  auto logits = torch::empty({R, scorer.n}, torch::kFloat);
-  linear_into(scorer, normed.data(), R, logits.data_ptr<float>(), false);
-  return {state, logits};
-}
 
-// One drafted level of the root head: root_step of one row h0 [1, H] and `token`, then rank_row of its logits over
-// the scored token ids `ids` at noise key `key`. Returns the state [1, H] and the k drafts' ids and probabilities as
-// lists: the same floats as root_step then rank_drafts, in one call between two forwards instead of a dozen.
-std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> root_draft(
-    torch::Tensor h0, int64_t token, std::vector<torch::Tensor> norms, double eps, std::vector<torch::Tensor> lin,
-    std::vector<int64_t> meta, torch::Tensor ids, torch::Tensor banned, double temperature, double top_p,
-    int64_t top_k, double min_p, int64_t key, int64_t k) {
-  TORCH_CHECK(h0.size(0) == 1, "root_draft: one row");
-  const auto out = root_step(h0, torch::full({1}, token, torch::kLong), norms, eps, lin, meta);
-  const int64_t n = out[1].size(1);
-  k = std::min(k, n);
-  auto ic = ids.contiguous();
-  TORCH_CHECK(ic.numel() == 0 || ic.numel() == n, "root_draft: ids must be empty or one per column");
-  std::vector<int64_t> drafted(k);
-  std::vector<float> p(k);
-  rank_row(out[1].data_ptr<float>(), n, ic.numel() ? ic.data_ptr<int64_t>() : nullptr, sorted_ids(banned),
-           temperature, top_p, top_k, min_p, static_cast<uint64_t>(key), k, drafted.data(), p.data());
-  return {out[0], drafted, std::vector<double>(p.begin(), p.end())};
-}
+  int64_t scored() const { return scorer_.n; }
+  int64_t hidden() const { return H_; }
+
+  // The state [R, H] and logits [R, scored()] of rows h0 [R, H] (float32) and their roots [R].
+  std::vector<torch::Tensor> step(const torch::Tensor& h0, const torch::Tensor& roots) const {
+    TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat && h0.size(1) == H_, "root_step: h0 float32 [R, H]");
+    TORCH_CHECK(roots.scalar_type() == at::kLong && roots.numel() == h0.size(0), "root_step: one root per row");
+    const int64_t R = h0.size(0);
+    auto hc = h0.contiguous(), rc = roots.contiguous();
+    auto state = torch::empty({R, H_}, torch::kFloat);
+    auto logits = torch::empty({R, scorer_.n}, torch::kFloat);
+    run(hc.data_ptr<float>(), rc.data_ptr<int64_t>(), R, state.data_ptr<float>(), logits.data_ptr<float>());
+    return {state, logits};
+  }
+
+  // step's arithmetic into state and logits: the same floats whatever R and the threads.
+  void run(const float* h0, const int64_t* roots, int64_t R, float* state, float* logits) const {
+    const int64_t H = H_, W = up_.n;
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(0 <= roots[r] && roots[r] < table_.n, "root_step: id ", roots[r], " outside 0..", table_.n - 1);
+    std::vector<float> e(R * H), x(R * 2 * H), u(R * W), normed(R * H);
+    for (int64_t r = 0; r < R; ++r) embed_row(table_, roots[r], e.data() + r * H);
+    for (int64_t r = 0; r < R; ++r) {  // [norm_h(h0); norm_e(e)]
+      rms_norm(h0 + r * H, norm_h_, 1, H, eps_, x.data() + r * 2 * H, false);
+      rms_norm(e.data() + r * H, norm_e_, 1, H, eps_, x.data() + r * 2 * H + H, false);
+    }
+    QuantRows xq[3];
+    const Linear* L[3] = {&up_, &down_, &scorer_};
+    for (int j = 0; j < 3; ++j)
+      if (quantized(L[j]->fmt)) xq[j].size_for(R, L[j]->k);
+    if (quantized(up_.fmt)) quantize_rows(x.data(), 0, R, xq[0]);
+    const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      const Team team = Team::current();
+      linear_into(up_, x.data(), R, u.data(), false, &team, &xq[0]);
+      // SiLU, and the down projection's input quantized, by whole blocks of each row
+      const int64_t per = (W + kBlock - 1) / kBlock;  // (a quantized layer's W is a multiple of kBlock)
+      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part(R * per, part, parts); },
+                [&](int64_t b0, int64_t b1) {
+                  for (int64_t b = b0; b < b1; ++b) {
+                    const int64_t r = b / per, c0 = (b % per) * kBlock, c1 = std::min(c0 + kBlock, W);
+                    for (int64_t c = c0; c < c1; ++c) {
+                      float& v = u[r * W + c];
+                      v = v / (1.0f + std::exp(-v));
+                    }
+                    if (quantized(down_.fmt)) quantize_columns(u.data(), r, c0, c1, xq[1]);
+                  }
+                });
+      linear_into(down_, u.data(), R, state, false, &team, &xq[1]);
+      if (team.id == 0) {  // the residual, the output norm and the scorer's input: a few hundred floats a row
+        for (int64_t i = 0; i < R * H; ++i) state[i] += h0[i];
+        rms_norm(state, norm_out_, R, H, eps_, normed.data(), false);
+        if (quantized(scorer_.fmt)) quantize_rows(normed.data(), 0, R, xq[2]);
+      }
+      team.sync();
+      linear_into(scorer_, normed.data(), R, logits, false, &team, &xq[2]);
+    }
+  }
+
+ private:
+  std::vector<torch::Tensor> held_;
+  Linear up_, down_, scorer_, table_;
+  const float* norm_h_ = nullptr;
+  const float* norm_e_ = nullptr;
+  const float* norm_out_ = nullptr;
+  float eps_ = 0.0f;
+  int64_t H_ = 0;
+};
+
+// A generation's drafted levels of the root head (core/tokenswift/heads.py: DraftHeads.root_drafter): the head, the
+// token ids it scores and the generation's draw bound once, so a level passes only its state, token and position.
+class RootDrafter {
+ public:
+  RootDrafter(const RootHead& head, torch::Tensor ids, const Draw& draw, int64_t k)
+      : head_(head), draw_(draw), ban_(draw.banned_sorted()), k_(std::min(k, head.scored())) {
+    auto ic = ids.contiguous();
+    TORCH_CHECK(ic.scalar_type() == at::kLong && (ic.numel() == 0 || ic.numel() == head.scored()),
+                "RootDrafter: ids must be empty or one per scored row");
+    ids_.assign(ic.data_ptr<int64_t>(), ic.data_ptr<int64_t>() + ic.numel());
+  }
+
+  // One drafted level: the state [1, H] after h0 [1, H] and `token`, and its k drafts for sequence `position` with
+  // their probabilities, ranked as the draw there will draw (rank_row): the same floats as RootHead.step then
+  // rank_drafts.
+  std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> draft(const torch::Tensor& h0,
+                                                                            int64_t token, int64_t position) const {
+    TORCH_CHECK(h0.scalar_type() == at::kFloat && h0.numel() == head_.hidden() && h0.numel() == h0.size(-1),
+                "RootDrafter: one row of the hidden size, float32");
+    auto hc = h0.contiguous();
+    auto state = torch::empty({1, head_.hidden()}, torch::kFloat);
+    thread_local std::vector<float> logits;  // (no tensor: nothing but rank_row reads them)
+    logits.resize(head_.scored());
+    head_.run(hc.data_ptr<float>(), &token, 1, state.data_ptr<float>(), logits.data());
+    std::vector<int64_t> drafted(k_);
+    std::vector<float> p(k_);
+    rank_row(logits.data(), head_.scored(), ids_.empty() ? nullptr : ids_.data(), ban_, draw_.temperature(),
+             draw_.top_p(), draw_.top_k(), draw_.min_p(), static_cast<uint64_t>(draw_.key(position)), k_,
+             drafted.data(), p.data());
+    return {state, drafted, std::vector<double>(p.begin(), p.end())};
+  }
+
+ private:
+  RootHead head_;
+  Draw draw_;
+  std::vector<int64_t> ids_, ban_;
+  int64_t k_;
+};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Python entry points.
@@ -2446,10 +2578,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("kc"), py::arg("vc"), py::arg("past"),
            py::arg("vis"), py::arg("window"), py::arg("first"));
   m.def("keep_rows", &keep_rows, "the kept rows of a verified block moved into place in the cache");
-  m.def("draw", &draw, "the token drawn from one row of logits");
-  m.def("walk", &walk, "the accepted path through a verified tree and the token drawn after it");
+  py::class_<Draw>(m, "Draw", "a generation's draw, its settings bound once", py::module_local())
+      .def(py::init<int64_t, torch::Tensor, double, double, int64_t, double, double, int64_t, int64_t>(),
+           py::arg("vocab"), py::arg("banned"), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
+           py::arg("min_p"), py::arg("penalty"), py::arg("window"), py::arg("seed"))
+      .def("key", &Draw::key, "the noise key of a sequence position", py::arg("position"))
+      .def("draw", &Draw::draw, "the token drawn from one row of logits", py::arg("logits"), py::arg("window"),
+           py::arg("position"))
+      .def("next", &Draw::next, "the token drawn after history[:length]", py::arg("logits"), py::arg("history"),
+           py::arg("length"))
+      .def("walk", &Draw::walk, "the accepted path through a verified tree and the token drawn after it",
+           py::arg("logits"), py::arg("tokens"), py::arg("parents"), py::arg("history"), py::arg("length"));
   m.def("rank_drafts", &rank_drafts, "each row's k most likely drafts, ranked as the draw will draw");
   m.def("embed_rows", &embed_rows, "rows of a packed weight as fp32");
-  m.def("root_step", &root_step, "the root head's state and logits");
-  m.def("root_draft", &root_draft, "one drafted level of the root head: its state and its k drafts, ranked");
+  py::class_<RootHead>(m, "RootHead", "the root head's weights, found and checked once", py::module_local())
+      .def(py::init<std::vector<torch::Tensor>, double, std::vector<torch::Tensor>, std::vector<int64_t>>(),
+           py::arg("norms"), py::arg("eps"), py::arg("lin"), py::arg("meta"))
+      .def("step", &RootHead::step, "the root head's state and logits", py::arg("h0"), py::arg("roots"));
+  py::class_<RootDrafter>(m, "RootDrafter", "the root head and the draw's filters, bound for a generation",
+                          py::module_local())
+      .def(py::init<const RootHead&, torch::Tensor, const Draw&, int64_t>(), py::arg("head"), py::arg("ids"),
+           py::arg("draw"), py::arg("k"))
+      .def("__call__", &RootDrafter::draft, "one drafted level: its state and its k drafts, ranked", py::arg("h0"),
+           py::arg("token"), py::arg("position"));
 }
