@@ -34,11 +34,9 @@ def _byte_decoder() -> dict[str, int]:
 class BytePieces:
     """Each token id's bytes, in one buffer (a list of bytes objects would take several times the memory)."""
 
-    def __init__(self, pieces: list[bytes]):
-        self.blob = b"".join(pieces)
-        self.starts = array("q", [0])  # id i's bytes are blob[starts[i]:starts[i + 1]]
-        for piece in pieces:
-            self.starts.append(self.starts[-1] + len(piece))
+    def __init__(self, blob: bytes, starts: array):
+        self.blob = blob
+        self.starts = starts  # id i's bytes are blob[starts[i]:starts[i + 1]]
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -79,23 +77,23 @@ def _build_pieces(tokenizer: Any) -> BytePieces | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
         return None
-    vocab = backend.get_vocab(with_added_tokens=True)
     added = backend.get_added_tokens_decoder()
-    pieces = [b""] * (max(vocab.values()) + 1)
     to_byte = _byte_decoder()
-    for token, i in vocab.items():
-        if i in added and added[i].special:
-            continue
-        try:  # as the ByteLevel decoder does: the token's stand-ins as bytes, or, if any is none, its own UTF-8
-            pieces[i] = bytes(to_byte[c] for c in token)
-        except KeyError:
-            pieces[i] = token.encode()
-    sample = [*added, *range(0, len(pieces), max(1, len(pieces) // 512))]
-    for i in sample:
+    blob, starts = bytearray(), array("q", [0])
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):  # one token at a time: no vocabulary-sized dict
+        token = backend.id_to_token(i)
+        if token is not None and not (i in added and added[i].special):
+            try:  # as the ByteLevel decoder does: the token's stand-ins as bytes, or, if any is none, its own UTF-8
+                blob += bytes(to_byte[c] for c in token)
+            except KeyError:
+                blob += token.encode()
+        starts.append(len(blob))
+    pieces = BytePieces(bytes(blob), starts)
+    for i in [*added, *range(0, len(pieces), max(1, len(pieces) // 512))]:
         if pieces[i].decode(errors="replace") != tokenizer.decode([i], skip_special_tokens=True,
                                                                     clean_up_tokenization_spaces=False):
             return None
-    return BytePieces(pieces)
+    return pieces
 
 
 class TextStream:
