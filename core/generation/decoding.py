@@ -156,7 +156,9 @@ class Generation:
         self.steps: list[Step] = []
         self.n_resumed = len(resume_ids)
         self._text: list[str] = []  # the output text so far, as streamed, in pieces (`text` joins them)
-        self._recent = ""  # its last characters, as many as a stop string could straddle
+        # its last characters, as many as a stop string can have before a step's delta (all of one but its last)
+        self._straddle = max(map(len, self.config.stop_strings), default=1) - 1
+        self._recent = ""
         self._append(self.stream.push(list(resume_ids)))
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -274,10 +276,9 @@ class Generation:
         if not delta:
             return
         self._text.append(delta)
-        stops = self.config.stop_strings
-        if stops:
+        if self._straddle:
             tail = self._recent + delta
-            self._recent = tail[max(0, len(tail) - max(map(len, stops)) + 1):]
+            self._recent = tail[max(0, len(tail) - self._straddle):]
 
     def _cut_at_stop_string(self, delta: str) -> str:
         """The delta up to (not including) the first stop string that the text now contains."""
