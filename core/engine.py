@@ -193,9 +193,9 @@ class Engine:
         if runner is None:
             return eager
 
-        def draft(h0: Tensor, token: int, position: int) -> tuple[Tensor, list[int], list[float]]:
-            out = runner.side_step(h0, torch.tensor([token], device=h0.device))
-            return eager(h0, token, position) if out is None else heads.ranked(*out, sampler, k, position)
+        def draft(h0: Tensor, row: int, token: int, position: int) -> tuple[Tensor, list[int], list[float]]:
+            out = runner.side_step(h0[row:row + 1], torch.tensor([token], device=h0.device))
+            return eager(h0, row, token, position) if out is None else heads.ranked(*out, sampler, k, position)
         return draft
 
     def notice(self, message: str) -> None:

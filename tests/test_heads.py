@@ -12,9 +12,12 @@ from core.runtime.model import ModelConfig, Transformer, build_model
 from core.tokenswift.heads import DraftHeads, HeadsError, load_heads, save_heads
 
 
-def tiny(seed: int, hidden: int = 64) -> Transformer:
+def tiny(seed: int, hidden: int = 64, tied: bool = False) -> Transformer:
+    """A tiny Llama; `tied` shares its embedding table with the lm_head, as the default model does (on our kernels
+    the root head then looks its tokens up in the packed table and runs natively)."""
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=tied)
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     return build_model(ModelConfig.from_hf(hf.config), hf.state_dict())
@@ -164,7 +167,7 @@ def test_the_kernels_root_step_computes_the_root_heads_modules(fmt: str) -> None
 def test_a_root_heads_drafted_level_is_its_step_then_the_samplers_ranking(settings: SamplingSettings) -> None:
     """root_draft does in one kernel call what root_step then Sampler.rank_drafts do: the same state, the same
     drafts in the same order, the same chances; a banned id is never drafted."""
-    model = tiny(4)
+    model = tiny(4, tied=True)
     heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
     for p in heads.root.parameters():
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
@@ -174,9 +177,37 @@ def test_a_root_heads_drafted_level_is_its_step_then_the_samplers_ranking(settin
     state, logits = heads.root_step(h, torch.tensor([9]), model)
     banned = int(logits[0].argmax()) * 2  # the root head's top token: its column j scores token 2j
     sampler = Sampler(settings, 128, banned=(banned,))
+    assert type(heads.root_drafter(model, sampler, 6)).__name__ == "RootDrafter", "the native drafter is not in use"
     for position in (5, 6, 700):
         want_ids, want_p = sampler.rank_drafts(logits, 6, position, heads.root_ids)
         got_state, ids, p = heads.root_draft(h, 9, model, sampler, 6, position)
         assert torch.equal(got_state, state)
         assert ids == want_ids.tolist()[0] and p == want_p.tolist()[0]
         assert banned not in ids and len(set(ids)) == 6
+
+
+def test_a_chain_of_drafted_levels_reads_its_rows_and_states_where_they_lie() -> None:
+    """The native drafted level reads the row it is given of a forward's states, and a chain reads each level's
+    state (one of the drafter's two buffers, in turn) into the next: the same states and drafts as root_step on
+    rows cut out, level after level."""
+    model = tiny(4, tied=True)
+    heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
+    for p in heads.root.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
+    assert model.to_native("q8_0")
+    heads.to_native("q8_0", "q4_1")
+    sampler = Sampler(SamplingSettings(), 128)
+    draft = heads.root_drafter(model, sampler, 3)
+    assert type(draft).__name__ == "RootDrafter", "the native drafter is not in use"
+    states = torch.randn(5, 64)
+    for row in (0, 3, 4):
+        state, row_read, token = states, row, 11
+        want = states[row:row + 1]
+        for level in range(4):
+            want, logits = heads.root_step(want, torch.tensor([token]), model)
+            want_ids, want_p = sampler.rank_drafts(logits, 3, 40 + level, heads.root_ids)
+            state, ids, p = draft(state, row_read, token, 40 + level)
+            assert torch.equal(state, want) and ids == want_ids.tolist()[0] and p == want_p.tolist()[0]
+            row_read, token = 0, ids[0]
+    with pytest.raises(RuntimeError, match="row"):
+        draft(states, 5, 11, 40)

@@ -56,7 +56,7 @@ def test_the_kernels_keep_moves_the_rows_torchs_indexing_moves(monkeypatch: pyte
     for d, r in enumerate([0, 3, 4, 7]):
         assert torch.equal(caches[0].k[:, :, 20 + d], before[0][:, :, 20 + r])
         assert torch.equal(caches[0].v[:, :, 20 + d], before[1][:, :, 20 + r])
-    for rows in ([0, 2, 1], [0, 8], [1, 1]):
+    for rows in ([0, 2, 1], [0, 8], [1, 1], list(range(9))):
         c = caches[0]
         c.begin(8)
         with pytest.raises(ValueError, match="rows to keep"):

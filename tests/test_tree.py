@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from conftest import path_tokens
-from core.tokenswift.tree import HEADS, NGRAM, TreeBuilder
+from core.tokenswift.tree import HEADS, NGRAM, TreeBuilder, TreeInputs
 
 
 def test_identical_prefixes_share_nodes_and_sources_merge() -> None:
@@ -30,6 +30,26 @@ def test_mask_and_positions() -> None:
     assert torch.equal(tree.mask(), expected)
     assert tree.positions(100).tolist() == [100, 101, 101, 102]
     assert path_tokens(tree, 3) == [1, 2]
+
+
+def test_a_generations_inputs_are_each_trees_own() -> None:
+    """TreeInputs writes every tree into the same buffers and builds a mask once per shape: each call's tensors are
+    that tree's ids, positions and mask, whatever came before."""
+    inputs = TreeInputs(budget=5)
+    trees = []
+    for root, paths in ((0, [[1, 2], [3]]), (7, [[8, 9], [4]]), (7, [[8, 9, 10, 11]]), (2, [[6]])):
+        b = TreeBuilder(root)
+        for path in paths:
+            b.add(path, [0.9 - 0.1 * i for i in range(len(path))], HEADS)
+        trees.append(b.build(5))
+    assert trees[0].parents == trees[1].parents != trees[2].parents  # a repeated shape, then new ones
+    for at, tree in enumerate(trees):
+        ids, positions, mask = inputs(tree, 40 + at)
+        assert ids.tolist() == tree.tokens
+        assert torch.equal(positions, tree.positions(40 + at))
+        assert torch.equal(mask, tree.mask())
+    again = TreeInputs(budget=5)
+    assert again(trees[1], 0)[2] is again(trees[0], 0)[2], "a shape's mask is built once"
 
 
 def test_budget_keeps_the_best_prefix_closed_nodes() -> None:

@@ -247,7 +247,7 @@ class Sampler:
         native = self.native
         if native is None:
             return int(self.choose(self.scores(logits[None], window[None]), [position])[0])
-        return native.draw(_cpu_float(logits), window if window.device.type == "cpu" else window.cpu(), position)
+        return native.draw(logits, window if window.device.type == "cpu" else window.cpu(), position)
 
     def draw_after(self, logits: Tensor, history: Tensor, length: int) -> int:
         """`draw` after the sequence `history[:length]` (int64 on the CPU: the buffer itself, not a slice of it), at
@@ -255,14 +255,14 @@ class Sampler:
         native = self.native
         if native is None:
             return self.draw(logits, history[max(0, length - self.s.penalty_window):length], length)
-        return native.next(_cpu_float(logits), history, length)
+        return native.next(logits, history, length)  # (the kernel takes logits of any float type and device)
 
     def walk(self, logits: Tensor, tokens: list[int], parents: list[int], history: Tensor,
              length: int) -> tuple[list[int], int] | None:
         """Generation.walk in one call of our CPU kernel (kernels/cpu.cpp: Draw.walk, each draw its `draw`) after the
         sequence `history[:length]` (as `draw_after` takes it); None where the kernels are not built."""
         native = self.native
-        return None if native is None else native.walk(_cpu_float(logits), tokens, parents, history, length)
+        return None if native is None else native.walk(logits, tokens, parents, history, length)
 
     def choose(self, scores: Tensor, positions: list[int]) -> Tensor:
         """The token drawn at each row; row i is the draw for sequence position positions[i]: the argmax of the

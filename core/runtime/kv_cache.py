@@ -89,6 +89,8 @@ class KVCache:
         # once: the forward passes it, with no operator called to make it)
         self.k_stored = self.k.transpose(2, 3)
         self.v = zeroed((n_layers, n_kv_heads, max_len, head_dim), dtype, device)
+        # whether our kernels move kept rows (keep): looked up once, not between two forwards
+        self._native_keep = self.k.device.type == "cpu" and dtype in NATIVE_DTYPES and cpu.kernel() is not None
         self.max_len = max_len
         self.length = 0  # committed tokens
         self.n_new = 0  # tokens written by the last forward, not yet committed
@@ -135,12 +137,14 @@ class KVCache:
         before their children), compacted after the committed part."""
         rows = rows.tolist() if isinstance(rows, Tensor) else list(rows)
         start, m = self.length, len(rows)
-        if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < self.n_new):
+        if rows == list(range(m)):  # the block's first rows (most steps): nothing moves
+            if m > self.n_new:
+                raise ValueError(f"rows to keep must be in the last block of {self.n_new}, got {rows}")
+        elif rows != sorted(set(rows)) or not 0 <= rows[0] <= rows[-1] < self.n_new:
             raise ValueError(f"rows to keep must be distinct, increasing and in the last block, got {rows}")
-        if rows != list(range(m)):
-            native = cpu.kernel() if self.k.device.type == "cpu" and self.k.dtype in NATIVE_DTYPES else None
-            if native is not None:  # one call for every layer (torch's indexing costs more than the copy here)
-                native.keep_rows(self.k, self.v, start, rows)
+        else:
+            if self._native_keep:  # one call for every layer (torch's indexing costs more than the copy here)
+                cpu.kernel().keep_rows(self.k, self.v, start, rows)
             else:  # advanced indexing gathers into a new tensor first, so overlapping source/destination is safe
                 index = torch.tensor(rows, dtype=torch.long, device=self.k.device) + start
                 self.k[:, :, start:start + m] = self.k[:, :, index]

@@ -422,7 +422,7 @@ class Transformer(nn.Module):
             x, ids = no_x, tokens
         else:
             x, ids = self.embed(tokens).float().contiguous(), no_tokens
-        visible = block_mask.contiguous() if block_mask is not None else no_mask
+        visible = block_mask if block_mask is not None else no_mask  # (the kernel takes any layout)
         cos, sin = self.rope_table(cache.k.shape[2])  # a row for every position the cache holds
         return stack.forward(x, ids, cos, sin, positions, cache.k_stored, cache.v, cache.length, visible,
                              self.cfg.sliding_window or 0, -1 if logits_from is None else logits_from)

@@ -16,11 +16,10 @@ from torch import Tensor
 from core.generation.decoding import Decoder, Generation
 from core.generation.sampling import Sampler, rank_drafts
 from core.runtime.kv_cache import KVCache, PartialKVCache
-from core.tokenswift.calibration import DraftCalibrator, Proposed
 from core.tokenswift.heads import RootDraft
 from core.tokenswift.ngram import NGramTable
 from core.tokenswift.options import DraftPlan
-from core.tokenswift.tree import HEADS, NGRAM, Tree, TreeBuilder
+from core.tokenswift.tree import HEADS, Tree, Trees, tree_drafts
 
 
 class TokenSwiftEngine(Decoder, Protocol):
@@ -44,68 +43,54 @@ class TokenSwiftEngine(Decoder, Protocol):
 
 @dataclass(frozen=True)
 class Drafters:
-    """What a generation drafts with, looked up once for all its steps: the engine, its plan, and the root head's
-    drafted level bound to the generation's sampler (None where the root head does not draft)."""
+    """What a generation drafts with, looked up once for all its steps: the engine, its plan, the root head's drafted
+    level bound to the generation's sampler (None where the root head does not draft), and the generation's trees
+    and draft calibrator."""
 
     engine: TokenSwiftEngine
     plan: DraftPlan
     root_draft: RootDraft | None
+    trees: Trees
 
     @classmethod
     def of(cls, engine: TokenSwiftEngine, sampler: Sampler) -> "Drafters":
         plan = engine.plan
-        root = engine.root_drafter(sampler, plan.options.head_topk) if plan.root_drafting else None
-        return cls(engine, plan, root)
+        opt = plan.options
+        root = engine.root_drafter(sampler, opt.head_topk) if plan.root_drafting else None
+        trees = tree_drafts(opt.tree_budget, opt.min_draft_score or 0.0, opt.ngram_weight, plan.chained_drafting,
+                            opt.calibrate)
+        return cls(engine, plan, root, trees)
 
 
-def draft_tree(drafters: Drafters, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
-               backbone: Tensor | None, table: NGramTable,
-               calibrator: DraftCalibrator | None = None) -> tuple[Tree, Proposed | None]:
+def draft_tree(drafters: Drafters, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None, h_row: int,
+               backbone: Tensor | None, table: NGramTable) -> Tree:
     """Merge the model's drafts (draft_candidates) and the n-gram table's continuations below the root (the last
-    token of `gen`) into one budgeted trie, scored by the calibrator's chances if given. Also returns the drafts as
-    proposed, for the calibrator to learn from once the step is drawn (None without a calibrator)."""
-    plan = drafters.plan
-    opt = plan.options
+    token of `gen`) into one budgeted trie, scored by the generation's calibrated chances (drafters.trees)."""
+    opt = drafters.plan.options
     root = gen.tokens[-1]
-    depth = opt.tree_budget - 1  # no deeper draft fits the tree
-    candidates = draft_candidates(drafters, gen, head_logits, h_last, backbone, plan.draft_levels, calibrator)
-    builder = TreeBuilder(root)
-    if plan.chained_drafting:  # deeper drafts hold only under the top draft above them
-        builder.add_chain(candidates, HEADS)
-    else:
-        builder.add_product(candidates, HEADS)
+    candidates = draft_candidates(drafters, gen, head_logits, h_last, h_row, backbone, drafters.plan.draft_levels)
     # n-gram chains keyed by the root, and by the most likely first draft (as the paper keys them)
-    keys = [(root, [], 1.0)]
-    if candidates:
-        first, chance = candidates[0][0]
-        keys.append((first, [first], chance))
+    keys = [root, candidates[0][0][0]] if candidates else [root]
     # a key's continuations past its (budget - 1) most frequent are less likely than those, which alone fill the
     # tree: proposing them would make a step's work grow with the text (a comma's continuations) and verify nothing
     per_key = min(opt.ngram_topk, opt.tree_budget - 1)
-    for key, prefix, base in keys:
-        # a continuation seen c times among `total` scores c / (total + 1): one seen once is right ~1 time in 4 with
-        # the studio settings, not always (as c / total would claim); measured on generated text
-        total = table.total(key)
-        for cont, count in table.topk(key, per_key):
-            score = base * min(1.0, opt.ngram_weight * count / (total + 1))
-            builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont), NGRAM)
-    proposed = builder.recalibrate(calibrator.chance) if calibrator is not None else None
-    return builder.build(opt.tree_budget, opt.min_draft_score or 0.0), proposed
+    return Tree(*drafters.trees.build(root, candidates, [(table.total(key), table.topk(key, per_key))
+                                                         for key in keys]))
 
 
 def draft_candidates(drafters: Drafters, gen: Generation, head_logits: Tensor | None, h_last: Tensor | None,
-                     backbone: Tensor | None, depth: int,
-                     calibrator: DraftCalibrator | None = None) -> list[list[tuple[int, float]]]:
+                     h_row: int, backbone: Tensor | None, depth: int) -> list[list[tuple[int, float]]]:
     """[(token, estimated chance), ...] for each of the first `depth` positions after the root, from the backbone
     (separate mode), the root head and the heads, each ranked as the sampler will draw there (Sampler.rank_drafts).
 
-    `h_last` is the hidden state the heads read (fused mode: the position before the root, head k predicts the k-th
-    token after the root, and the root head reads it with the root; separate mode: the root, everything one
-    further, and the root head reads it with the backbone's top draft);
+    Row `h_row` of `h_last` [n, hidden] is the hidden state the heads read (fused mode: the position before the
+    root, head k predicts the k-th token after the root, and the root head reads it with the root; separate mode:
+    the root, everything one further, and the root head reads it with the backbone's top draft): the last forward's
+    states are passed whole, since cutting a row out is an operator call between two forwards;
     `head_logits` [n_heads, V'] their predictions if the forward computed them (None: computed here if needed);
     `backbone` the draft pass's next-token logits (separate mode only). A chained root head stops where the path
-    of its top drafts is less likely than the draft gate (by `calibrator`'s chances, if given): no node below could
-    be verified, since none is more likely than its parent.
+    of its top drafts is less likely than the draft gate (by the calibrated chances, drafters.trees): no node below
+    could be verified, since none is more likely than its parent.
     """
     engine, plan = drafters.engine, drafters.plan
     opt, heads = plan.options, plan.heads
@@ -125,18 +110,19 @@ def draft_candidates(drafters: Drafters, gen: Generation, head_logits: Tensor | 
         # one then reads its own state back with its top draft, a level deeper each time (heads.root_draft). In fused
         # mode it reads the state before the root with the root; in separate mode the root's own state (the draft
         # pass's) with the backbone's top draft, so it drafts from the second level on
-        state, token, chance = h_last[None], root, 1.0
+        state, row, token, chance = h_last, h_row, root, 1.0
         if candidates:
             token, top = candidates[0][0]
-            chance = calibrator.chance(top, HEADS, 1) if calibrator is not None else top
+            chance = drafters.trees.chance(top, HEADS, 1)
         first = len(candidates)
         for level in range(first, min(depth, first + heads.root_chain)):
             if chance < (opt.min_draft_score or 0.0):
                 break
-            state, ids, p = drafters.root_draft(state, token, root_pos + 1 + level)
+            state, ids, p = drafters.root_draft(state, row, token, root_pos + 1 + level)
+            row = 0
             candidates.append(list(zip(ids, p)))
             token, top = candidates[-1][0]
-            chance *= calibrator.chance(top, HEADS, level + 1) if calibrator is not None else top
+            chance *= drafters.trees.chance(top, HEADS, level + 1)
         if plan.chained_drafting:  # its levels only: heads that know neither token above add nothing worth it
             return candidates
     # in fused mode head k predicts the k-th token after the root, in separate mode the (k+1)-th
@@ -144,7 +130,7 @@ def draft_candidates(drafters: Drafters, gen: Generation, head_logits: Tensor | 
     more = min(depth - len(candidates), heads.n_heads - skip)
     if more > 0:
         if head_logits is None:  # no forward computed them (eager, or a graph without them: DraftPlan.graph_heads)
-            head_logits = heads.logits(h_last[None], engine.model)[:, 0]
+            head_logits = heads.logits(h_last[h_row:h_row + 1], engine.model)[:, 0]
         ids, p = sampler.rank_drafts(head_logits[skip:skip + more], opt.head_topk, root_pos + 1 + len(candidates),
                                      heads.vocab)
         candidates += [list(zip(i.tolist(), q.tolist())) for i, q in zip(ids, p)]

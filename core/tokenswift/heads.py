@@ -39,9 +39,9 @@ from core.runtime.weights import NativeLinear, pack
 
 FORMAT = "tokenswift-heads/1"
 
-# One drafted level of the root head, its model, sampler and k bound (DraftHeads.root_drafter): (state [1, hidden],
-# token, sequence position) -> (its state, its k drafts, their chances)
-RootDraft = Callable[[Tensor, int, int], tuple[Tensor, list[int], list[float]]]
+# One drafted level of the root head, its model, sampler and k bound (DraftHeads.root_drafter): (states [n, hidden],
+# the row it reads, token, sequence position) -> (its state [1, hidden], its k drafts, their chances)
+RootDraft = Callable[[Tensor, int, int, int], tuple[Tensor, list[int], list[float]]]
 
 
 class HeadsError(ValueError):
@@ -173,7 +173,7 @@ class DraftHeads(nn.Module):
         """One drafted level: the root head's state [1, hidden] after h0 [1, hidden] and `token`, and its k most
         likely drafts for sequence `position` with their chances, ranked as the draw will draw there
         (Sampler.rank_drafts). On the kernels one call does both."""
-        return self.root_drafter(model, sampler, k)(h0, token, position)
+        return self.root_drafter(model, sampler, k)(h0, 0, token, position)
 
     def root_drafter(self, model: Transformer, sampler: Sampler, k: int) -> RootDraft:
         """root_draft with `model`, `sampler` and `k` bound: its weights and settings looked up once, for a whole
@@ -182,8 +182,8 @@ class DraftHeads(nn.Module):
         if native is not None:  # (the kernels are built, so the sampler's draw is bound on them too)
             return cpu.kernel().RootDrafter(native, self.root_ids, sampler.native, k)
         assert self.root is not None, "these heads have no root head"
-        return lambda h0, token, position: self.ranked(
-            *self.root_step(h0, torch.tensor([token], device=h0.device), model), sampler, k, position)
+        return lambda h0, row, token, position: self.ranked(
+            *self.root_step(h0[row:row + 1], torch.tensor([token], device=h0.device), model), sampler, k, position)
 
     def ranked(self, state: Tensor, logits: Tensor, sampler: Sampler, k: int,
                position: int) -> tuple[Tensor, list[int], list[float]]:

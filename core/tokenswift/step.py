@@ -22,10 +22,9 @@ import torch
 
 from core.generation.decoding import Generation, Step
 from core.runtime.kv_cache import PartialKVCache
-from core.tokenswift.calibration import DraftCalibrator
 from core.tokenswift.drafting import Drafters, TokenSwiftEngine, draft_tree
 from core.tokenswift.ngram import NGramTable
-from core.tokenswift.tree import NGRAM
+from core.tokenswift.tree import NGRAM, TreeInputs
 
 NO_HEADS_NOTICE = "no trained drafting heads for this model: TokenSwift drafts from n-grams only"
 
@@ -40,12 +39,13 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
     device = engine.device
     cache = gen.new_cache()
     logits, h = gen.prefill(cache)
-    h_last = h  # the hidden state the heads read: the last position the model has processed
+    # the hidden state the heads read, row h_row of h_last [n, hidden]: the last position the model has processed
+    h_last, h_row = h[None], 0
     head_logits = None  # their logits, if a forward computed them; else drafting computes them when it needs them
     table = NGramTable(opt.ngram_n)
     table.extend(gen.tokens, len(gen.tokens) - opt.ngram_lag)
     partial = PartialKVCache(cache, opt.kv_budget) if opt.draft_mode == "separate" else None
-    calibrator = DraftCalibrator() if opt.calibrate else None
+    inputs = TreeInputs(opt.tree_budget, device)
 
     # The first token comes from the prefill, like vanilla decoding's.
     t0 = time.perf_counter()
@@ -66,21 +66,20 @@ def tokenswift_steps(engine: TokenSwiftEngine, gen: Generation) -> Iterator[Step
             forward_s += time.perf_counter() - t1
             partial.commit()
             # the backbone drafts the token after the root; the heads, read at the root, the ones after that
-            backbone, h_last = draft_logits[0], draft_hidden[0]
+            backbone, h_last, h_row = draft_logits[0], draft_hidden, 0
             head_logits = None if draft_heads is None else draft_heads[:, 0]
-        tree, proposed = draft_tree(drafters, gen, head_logits, h_last, backbone, table, calibrator)
+        tree = draft_tree(drafters, gen, head_logits, h_last, h_row, backbone, table)
+        ids, positions, mask = inputs(tree, root_pos)
         t1 = time.perf_counter()
-        logits, hidden, tree_heads = engine.forward_with_heads(
-            tree.token_ids(device), tree.positions(root_pos, device), cache, tree.mask(device))
+        logits, hidden, tree_heads = engine.forward_with_heads(ids, positions, cache, mask)
         forward_s += time.perf_counter() - t1
         accepted_nodes, token = gen.walk(logits, tree.tokens, tree.parents)
         path = [tree.tokens[i] for i in accepted_nodes]
         node = accepted_nodes[-1] if accepted_nodes else 0
         cache.keep([0] + accepted_nodes)
-        if calibrator is not None:  # every draft whose parent was drawn learns whether it was drawn too
-            calibrator.observe(proposed, path + [token])
+        drafters.trees.observe(path + [token])  # each draft whose parent was drawn: was it drawn too?
         # fused mode drafts the next step from the last accepted node
-        h_last, head_logits = hidden[node], None if tree_heads is None else tree_heads[:, node]
+        h_last, h_row, head_logits = hidden, node, None if tree_heads is None else tree_heads[:, node]
         from_ngram = sum(1 for i in accepted_nodes if tree.sources[i] & NGRAM)
         step = gen.emit(path + [token], t0, accepted=len(path), from_ngram=from_ngram,
                         from_heads=len(path) - from_ngram, tree_size=len(tree), forward_s=forward_s)

@@ -5,17 +5,26 @@ probabilities, or an n-gram's relative count). Identical prefixes share nodes (a
 paths through it, capped by its parent's so estimates never grow with depth). Expected accepted length is the sum
 of the chances of the nodes in the tree, so keeping the `budget` best nodes is the best tree of that size, and it is
 prefix-closed because a child never outranks its parent.
+
+A generation builds its trees through `Trees`: TreeDrafts (TreeBuilder with the draft calibrator) or its native twin
+(trees.cpp), which computes the same trees and chances in one call a step; TreeInputs writes each tree's
+verification inputs into buffers held for the generation.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from core.tokenswift.calibration import Proposed
+from core.runtime.kernels import cpu
+from core.runtime.kernels.build import build
+from core.tokenswift.calibration import BINS, DEPTHS, PRIOR, DraftCalibrator, Proposed
 
 HEADS = 1
 NGRAM = 2
@@ -52,13 +61,43 @@ class Tree:
     def positions(self, root_position: int, device: torch.device | str = "cpu") -> Tensor:
         return _tensor(np.add(self.depths, root_position, dtype=np.int64), device)
 
-    def token_ids(self, device: torch.device | str = "cpu") -> Tensor:
-        return _tensor(np.array(self.tokens, dtype=np.int64), device)
 
 
 def _tensor(array: np.ndarray, device: torch.device | str) -> Tensor:
     t = torch.from_numpy(array)
     return t if getattr(device, "type", device) == "cpu" else t.to(device)
+
+
+class TreeInputs:
+    """A generation's verification inputs (token ids, positions, mask) for trees of up to `budget` nodes, written
+    into buffers it holds for all its steps: between two forwards, with the caches cold, building three tensors a
+    step costs more than writing two rows of ids. A tree's shape repeats from step to step (a small budget has few),
+    so its mask is built once per shape. The tensors are valid until the next call."""
+
+    MAX_SHAPES = 1024  # masks kept; a large budget's shapes rarely repeat, and then are rebuilt as needed
+
+    def __init__(self, budget: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"  # (a device's attributes cost a lookup each between two forwards)
+        rows = torch.zeros(2, budget, dtype=torch.long)
+        self._rows = rows.numpy()  # the same memory: written as an array, read as tensors
+        self._views = [(rows[0, :n], rows[1, :n]) for n in range(budget + 1)]
+        self._masks: dict[tuple[int, ...], Tensor] = {}
+
+    def __call__(self, tree: Tree, root_position: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Token ids [n], positions [n] and mask [n, n] (Tree.mask) of `tree`, whose root sits at `root_position`."""
+        n = len(tree.tokens)
+        self._rows[:, :n] = tree.tokens, [root_position + d for d in tree.depths]
+        ids, positions = self._views[n]
+        shape = tuple(tree.parents)
+        mask = self._masks.get(shape)
+        if mask is None:
+            if len(self._masks) >= self.MAX_SHAPES:
+                self._masks.clear()
+            mask = self._masks[shape] = tree.mask(self.device)
+        if not self._on_cpu:
+            ids, positions = ids.to(self.device), positions.to(self.device)
+        return ids, positions, mask
 
 
 class TreeBuilder:
@@ -141,3 +180,77 @@ class TreeBuilder:
         assert min(parents[1:], default=0) >= 0, "tree selection must be prefix-closed"
         return Tree([self.tokens[i] for i in keep], parents, [self.depths[i] for i in keep],
                     [self.sources[i] for i in keep])
+
+
+Level = list[tuple[int, float]]  # one depth's drafts: (token, estimated chance)
+NGrams = list[tuple[int, list[tuple[tuple[int, ...], int]]]]  # per key: (total, [(continuation, count), ...])
+
+
+class Trees(Protocol):
+    """A generation's candidate trees and draft calibrator: TreeDrafts, or its native twin (trees.cpp), which
+    computes the same trees and chances in one call a step."""
+
+    def chance(self, score: float, source: int, depth: int) -> float:
+        """The calibrated chance that a draft of raw `score` from `source` at `depth` is drawn, given its parent
+        is (DraftCalibrator.chance; the raw score without calibration)."""
+
+    def build(self, root: int, levels: list[Level], ngrams: NGrams) -> tuple[list[int], list[int], list[int],
+                                                                             list[int]]:
+        """The tree's tokens, parents, depths and sources (Tree) below `root`: the model's drafts, one level per
+        depth, and the n-gram continuations of the root, then (with drafts) of the first level's top draft."""
+
+    def observe(self, drawn: list[int]) -> None:
+        """Learn from the tokens drawn after the root of the last tree built (DraftCalibrator.observe)."""
+
+
+class TreeDrafts:
+    """Trees in Python: TreeBuilder and DraftCalibrator, the reference trees.cpp is tested against."""
+
+    def __init__(self, budget: int, min_score: float, ngram_weight: float, chained: bool, calibrate: bool):
+        self.budget, self.min_score, self.ngram_weight, self.chained = budget, min_score, ngram_weight, chained
+        self.calibrator = DraftCalibrator() if calibrate else None
+        self._proposed: Proposed | None = None
+
+    def chance(self, score: float, source: int, depth: int) -> float:
+        return score if self.calibrator is None else self.calibrator.chance(score, source, depth)
+
+    def build(self, root: int, levels: list[Level], ngrams: NGrams) -> tuple[list[int], list[int], list[int],
+                                                                             list[int]]:
+        builder = TreeBuilder(root)
+        if self.chained:  # deeper drafts hold only under the top draft above them
+            builder.add_chain(levels, HEADS)
+        else:
+            builder.add_product(levels, HEADS)
+        depth = self.budget - 1  # no deeper draft fits the tree
+        keys = [([], 1.0)] + ([([levels[0][0][0]], levels[0][0][1])] if levels else [])
+        for (prefix, base), (total, continuations) in zip(keys, ngrams, strict=True):
+            # a continuation seen c times among `total` scores c / (total + 1): one seen once is right ~1 time in 4
+            # with the studio settings, not always (as c / total would claim); measured on generated text
+            for cont, count in continuations:
+                score = base * min(1.0, self.ngram_weight * count / (total + 1))
+                builder.add(prefix + list(cont)[:depth - len(prefix)], [base] * len(prefix) + [score] * len(cont),
+                            NGRAM)
+        if self.calibrator is not None:
+            self._proposed = builder.recalibrate(self.calibrator.chance)
+        tree = builder.build(self.budget, self.min_score)
+        return tree.tokens, tree.parents, tree.depths, tree.sources
+
+    def observe(self, drawn: list[int]) -> None:
+        if self.calibrator is not None and self._proposed is not None:
+            self.calibrator.observe(self._proposed, drawn)
+
+
+def tree_drafts(budget: int, min_score: float, ngram_weight: float, chained: bool, calibrate: bool,
+                native: bool = True) -> Trees:
+    """A generation's Trees: on our kernels where they are built (and `native`), else TreeDrafts."""
+    kernel = native_trees() if native else None
+    if kernel is None:
+        return TreeDrafts(budget, min_score, ngram_weight, chained, calibrate)
+    return kernel.TreeDrafts(budget, min_score, ngram_weight, chained, calibrate, BINS, PRIOR, DEPTHS)
+
+
+@functools.cache
+def native_trees() -> Any | None:
+    """The trees' extension (trees.cpp; built on the first call, then loaded from the cache), or None where our
+    kernels are off or cannot be built."""
+    return None if cpu.kernel() is None else build("trees", Path(__file__).with_name("trees.cpp"))

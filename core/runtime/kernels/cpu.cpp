@@ -1920,18 +1920,18 @@ class Draw {
 
   // draw_row of one row of logits [>= vocab] at sequence `position`, whose penalty window is `window` [W].
   int64_t draw(const torch::Tensor& logits, const torch::Tensor& window, int64_t position) const {
-    check_logits(logits);
+    auto lc = cpu_float(logits);
+    check_logits(lc);
     TORCH_CHECK(window.scalar_type() == at::kLong, "draw: window ids must be int64");
-    auto lc = logits.contiguous();
     auto wc = window.contiguous();
     return row(lc.data_ptr<float>(), {wc.data_ptr<int64_t>(), wc.numel(), nullptr, 0}, key(position));
   }
 
   // The draw after the sequence history[:length] (int64), at position `length`: its penalty window the last W ids.
   int64_t next(const torch::Tensor& logits, const torch::Tensor& history, int64_t length) const {
-    check_logits(logits);
+    auto lc = cpu_float(logits);
+    check_logits(lc);
     check_history(history, length);
-    auto lc = logits.contiguous();
     auto hc = history.contiguous();
     const int64_t from = std::min(length, W_);
     return row(lc.data_ptr<float>(), {hc.data_ptr<int64_t>() + length - from, from, nullptr, 0}, key(length));
@@ -1946,11 +1946,10 @@ class Draw {
                                                  const std::vector<int64_t>& parents, const torch::Tensor& history,
                                                  int64_t length) const {
     const int64_t n = static_cast<int64_t>(tokens.size());
-    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(0) == n &&
-                    logits.size(1) >= vocab_, "walk: logits float32 [nodes, >= vocab]");
+    auto lc = cpu_float(logits);
+    TORCH_CHECK(lc.dim() == 2 && lc.size(0) == n && lc.size(1) >= vocab_, "walk: logits [nodes, >= vocab]");
     TORCH_CHECK(static_cast<int64_t>(parents.size()) == n && n > 0 && parents[0] == -1, "walk: one parent per node");
     check_history(history, length);
-    auto lc = logits.contiguous();
     auto hc = history.contiguous();
     const int64_t* hp = hc.data_ptr<int64_t>();
     const int64_t H = length, stride = lc.stride(0);
@@ -1979,6 +1978,13 @@ class Draw {
   double min_p() const { return min_p_; }
 
  private:
+  // Logits as the draw reads them: float32 on the CPU, contiguous. The forward's are already, and pass through
+  // without an operator call: between two forwards each costs more than the draw's bookkeeping.
+  static torch::Tensor cpu_float(const torch::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat ? t.contiguous()
+                                                                 : t.to(torch::kCPU, torch::kFloat).contiguous();
+  }
+
   void check_logits(const torch::Tensor& logits) const {
     TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.size(0) >= vocab_, "draw: logits");
   }
@@ -2222,18 +2228,22 @@ class RootDrafter {
     ids_.assign(ic.data_ptr<int64_t>(), ic.data_ptr<int64_t>() + ic.numel());
   }
 
-  // One drafted level: the state [1, H] after h0 [1, H] and `token`, and its k drafts for sequence `position` with
-  // their probabilities, ranked as the draw there will draw (rank_row): the same floats as RootHead.step then
-  // rank_drafts.
-  std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> draft(const torch::Tensor& h0,
+  // One drafted level: the state [1, H] after row `row` of h0 [n, H] and `token`, and its k drafts for sequence
+  // `position` with their probabilities, ranked as the draw there will draw (rank_row): the same floats as
+  // RootHead.step then rank_drafts. The state is one of two buffers the drafter holds, used in turn: valid until the
+  // level after next, so a chain reads each level's state into the next (a forward's hidden states are read where
+  // they lie, no row copied out between two forwards).
+  std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>> draft(const torch::Tensor& h0, int64_t row,
                                                                             int64_t token, int64_t position) const {
-    TORCH_CHECK(h0.scalar_type() == at::kFloat && h0.numel() == head_.hidden() && h0.numel() == h0.size(-1),
-                "RootDrafter: one row of the hidden size, float32");
-    auto hc = h0.contiguous();
-    auto state = torch::empty({1, head_.hidden()}, torch::kFloat);
+    TORCH_CHECK(h0.dim() == 2 && h0.scalar_type() == at::kFloat && h0.size(1) == head_.hidden() &&
+                    h0.stride(1) == 1 && 0 <= row && row < h0.size(0),
+                "RootDrafter: a row of float32 states [n, hidden]");
+    const torch::Tensor& state = states_[turn_];
+    turn_ ^= 1;
+    TORCH_CHECK(!state.is_same(h0), "RootDrafter: a state read two levels after it was drafted");
     thread_local std::vector<float> logits;  // (no tensor: nothing but rank_row reads them)
     logits.resize(head_.scored());
-    head_.run(hc.data_ptr<float>(), &token, 1, state.data_ptr<float>(), logits.data());
+    head_.run(h0.data_ptr<float>() + row * h0.stride(0), &token, 1, state.data_ptr<float>(), logits.data());
     std::vector<int64_t> drafted(k_);
     std::vector<float> p(k_);
     rank_row(logits.data(), head_.scored(), ids_.empty() ? nullptr : ids_.data(), ban_, draw_.temperature(),
@@ -2247,6 +2257,9 @@ class RootDrafter {
   Draw draw_;
   std::vector<int64_t> ids_, ban_;
   int64_t k_;
+  torch::Tensor states_[2] = {torch::empty({1, head_.hidden()}, torch::kFloat),
+                              torch::empty({1, head_.hidden()}, torch::kFloat)};
+  mutable int turn_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -2535,10 +2548,13 @@ void keep_rows_of(const torch::Tensor& t, int64_t start, const std::vector<int64
   E* p = static_cast<E*>(t.data_ptr());
   const int64_t sl = t.stride(0), sh = t.stride(1), ss = t.stride(2), sd = t.stride(3);
   // the block's slots of one element share a cache line or two where keys are stored transposed: all rows are
-  // moved per element, so each line is fetched once
-  for (int64_t l = 0; l < t.size(0); ++l)
-    for (int64_t h = 0; h < t.size(1); ++h)
-      for (int64_t j = 0; j < t.size(3); ++j) {
+  // moved per element, so each line is fetched once. The lines lie far apart and cold, so both threads fetch them.
+  const int64_t L = t.size(0), H = t.size(1), D = t.size(3);
+  const int threads = at::get_num_threads();
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < D; ++j) {
         E* base = p + l * sl + h * sh + j * sd + start * ss;
         for (size_t d = 0; d < rows.size(); ++d)
           if (rows[d] != static_cast<int64_t>(d)) base[static_cast<int64_t>(d) * ss] = base[rows[d] * ss];
@@ -2600,5 +2616,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const RootHead&, torch::Tensor, const Draw&, int64_t>(), py::arg("head"), py::arg("ids"),
            py::arg("draw"), py::arg("k"))
       .def("__call__", &RootDrafter::draft, "one drafted level: its state and its k drafts, ranked", py::arg("h0"),
-           py::arg("token"), py::arg("position"));
+           py::arg("row"), py::arg("token"), py::arg("position"));
 }
