@@ -62,7 +62,6 @@ class Tree:
         return _tensor(np.add(self.depths, root_position, dtype=np.int64), device)
 
 
-
 def _tensor(array: np.ndarray, device: torch.device | str) -> Tensor:
     t = torch.from_numpy(array)
     return t if getattr(device, "type", device) == "cpu" else t.to(device)
