@@ -37,10 +37,12 @@ postgres:
 	  else echo "note: PostgreSQL missing and no root: its tests will be skipped"; fi; \
 	fi
 
-# Our C++ CPU kernels, built once per machine into the model cache (about a minute; a no-op once built), before the
-# tests: the studio server and worker processes they start would otherwise build them concurrently.
+# Our C++ CPU kernels and TokenSwift's trees, built once per machine into the model cache (about a minute; a no-op
+# once built), before the tests: the studio server and worker processes they start would otherwise build them
+# concurrently.
 kernels: install
-	$(BIN)/python -c "from core.runtime.kernels import cpu; assert cpu.kernel() is not None, 'the CPU kernels did not build'"
+	$(BIN)/python -c "from core.runtime.kernels import cpu; from core.tokenswift.tree import native_trees; \
+	  assert cpu.kernel() is not None and native_trees() is not None, 'the CPU kernels did not build'"
 
 test: install browser postgres kernels
 	$(BIN)/python -m pytest $(ARGS)

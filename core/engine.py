@@ -27,6 +27,7 @@ from core.tokenswift.heads import DraftHeads, HeadsError, RootDraft, load_heads
 from core.tokenswift.options import DraftPlan, TokenSwiftOptions
 from core.tokenswift.published import is_published_checkpoint, load_published_heads
 from core.tokenswift.step import tokenswift_steps
+from core.tokenswift.tree import native_trees
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class Engine:
         if compile:
             self.runner = self._compiled_runner()
         byte_pieces(self.tokenizer)  # the streaming detokeniser's table, built once, here rather than mid-generation
+        native_trees()  # TokenSwift's trees (built once per machine): loaded now, not at a writer's first run
         # Everything loaded so far (torch, transformers, the tokenizer: millions of objects) lives as long as the
         # engine: kept out of the garbage collector's passes, which would otherwise walk it during generation.
         gc.collect()

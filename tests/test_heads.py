@@ -162,17 +162,24 @@ def test_the_kernels_root_step_computes_the_root_heads_modules(fmt: str) -> None
     assert not torch.equal(state, h)  # the head moved the state: its matrices took part
 
 
-@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=0.0),
-                                      SamplingSettings(temperature=1.0, top_p=1.0, min_p=0.1, top_k=9)])
-def test_a_root_heads_drafted_level_is_its_step_then_the_samplers_ranking(settings: SamplingSettings) -> None:
-    """root_draft does in one kernel call what root_step then Sampler.rank_drafts do: the same state, the same
-    drafts in the same order, the same chances; a banned id is never drafted."""
+def native_root_head() -> tuple[Transformer, DraftHeads]:
+    """A tied tiny model on the kernels (q8_0) and heads with a random root head (q4_1) scoring its even ids: the
+    root head's drafted level runs natively there."""
     model = tiny(4, tied=True)
     heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
     for p in heads.root.parameters():
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
     assert model.to_native("q8_0")
     heads.to_native("q8_0", "q4_1")
+    return model, heads
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=0.0),
+                                      SamplingSettings(temperature=1.0, top_p=1.0, min_p=0.1, top_k=9)])
+def test_a_root_heads_drafted_level_is_its_step_then_the_samplers_ranking(settings: SamplingSettings) -> None:
+    """root_draft does in one kernel call what root_step then Sampler.rank_drafts do: the same state, the same
+    drafts in the same order, the same chances; a banned id is never drafted."""
+    model, heads = native_root_head()
     h = torch.randn(1, 64)
     state, logits = heads.root_step(h, torch.tensor([9]), model)
     banned = int(logits[0].argmax()) * 2  # the root head's top token: its column j scores token 2j
@@ -190,12 +197,7 @@ def test_a_chain_of_drafted_levels_reads_its_rows_and_states_where_they_lie() ->
     """The native drafted level reads the row it is given of a forward's states, and a chain reads each level's
     state (one of the drafter's two buffers, in turn) into the next: the same states and drafts as root_step on
     rows cut out, level after level."""
-    model = tiny(4, tied=True)
-    heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
-    for p in heads.root.parameters():
-        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
-    assert model.to_native("q8_0")
-    heads.to_native("q8_0", "q4_1")
+    model, heads = native_root_head()
     sampler = Sampler(SamplingSettings(), 128)
     draft = heads.root_drafter(model, sampler, 3)
     assert type(draft).__name__ == "RootDrafter", "the native drafter is not in use"
