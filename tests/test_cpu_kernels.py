@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from core.runtime.kernels import cpu
+from core.runtime.kernels import build, cpu
 from core.runtime.loading import load_model
 from core.runtime.weights import BLOCK, from_blocks, from_gguf_blocks, pack, quantize_q4_1, quantize_q8_0
 from core.tokenswift.tree import HEADS, TreeBuilder
@@ -74,6 +74,29 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(fmt: str
         assert torch.equal(cpu.linear(x, packed.kernel_args(), bf16), together)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_this_cpus_vector_tiles_give_a_linear_layer_the_floats_of_the_portable_loops(monkeypatch) -> None:
+    """The build for this CPU's vector unit (register tiles, activations quantized in vectors) against the plain C++
+    build of the same source: the same floats in every format, row count and rounding, rounding ties included."""
+    if build.isa_level() == "generic":
+        pytest.skip("this CPU builds the plain C++ kernels only")
+    monkeypatch.setenv("TOKENSWIFT_ISA", "generic")
+    portable = build.build("cpu", cpu.SOURCE)  # about two minutes the first time on a machine
+    assert portable is not None and portable is not cpu.kernel()
+    torch.manual_seed(3)
+    x = torch.randn(17, 1536)
+    x[0, :32] = torch.arange(32) - 15.5  # d = 15.5 / 127
+    x[0, 32:64] = torch.cat([torch.tensor([127.0, -127.0]), torch.arange(30) / 2 - 7.0])  # d = 1: ties (-6.5, ..)
+    x[1, :64] = 0.0  # blocks of zeros: d = 0
+    for fmt in FORMATS:
+        for n, k in ((50, 1536), (200, 96)):
+            w = pack(torch.randn(n, k) / k**0.5, fmt, torch.randn(n)).kernel_args()
+            for rows in range(1, 18):
+                for bf16 in (False, True):
+                    assert torch.equal(cpu.linear(x[:rows, :k], w, bf16), portable.linear(x[:rows, :k], *w, bf16)), \
+                        (fmt, n, rows, bf16)
 
 
 def test_quantized_formats_keep_ggmls_numbers() -> None:

@@ -128,6 +128,37 @@ inline void put(uint16_t* p, float x) { *p = bf16_bits(round_bf16(x)); }
 inline float widen(float x) { return x; }
 inline float widen(uint16_t h) { return bf16_to_float(h); }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 cache elements as floats: fp32 as they are, bf16 widened (a shift, exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// acc[r][x] = fma(s(r), b[8 x ..], acc[r][x]) for RB rows and W vectors of b (8 W cache elements), in 16 registers:
+// with 4 vectors a row (at most 3 rows) the rows' broadcasts are held across the vectors, else the vectors across
+// the rows.
+template <int RB, int W, typename E, typename S>
+__attribute__((always_inline)) inline void fma_tile(__m256 (&acc)[RB][W], const E* b, const S& s) {
+  if constexpr (W == 4) {
+    __m256 sr[RB];
+    for (int r = 0; r < RB; ++r) sr[r] = _mm256_set1_ps(s(r));
+    for (int x = 0; x < W; ++x) {
+      const __m256 bx = load8(b + 8 * x);
+      for (int r = 0; r < RB; ++r) acc[r][x] = _mm256_fmadd_ps(sr[r], bx, acc[r][x]);
+    }
+  } else {
+    __m256 bx[W];
+    for (int x = 0; x < W; ++x) bx[x] = load8(b + 8 * x);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 sr = _mm256_set1_ps(s(r));
+      for (int x = 0; x < W; ++x) acc[r][x] = _mm256_fmadd_ps(sr, bx[x], acc[r][x]);
+    }
+  }
+}
+#endif
+
 // n (a multiple of 16) cache elements as floats: the elements themselves for fp32, else widened into `buf`.
 template <typename E>
 inline const float* widened(const E* p, int64_t n, float* buf) {
@@ -287,6 +318,34 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d, int32_t& sum) 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qb_));
   d = amax / 127.0f;
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb_));
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], lanes = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    lanes = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), lanes);
+  }
+  float lane[8];
+  _mm256_storeu_ps(lane, lanes);
+  float amax = 0.0f;
+  for (int l = 0; l < 8; ++l) amax = lane[l] > amax ? lane[l] : amax;
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f), vid = _mm256_set1_ps(id);
+  __m256i q[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {  // rounded to nearest, ties to even, as nearbyint; then clamped
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    total = _mm256_add_epi32(total, q[i]);
+  }
+  // 32 int32 in -127..127 to int8, in order: packs interleave 128-bit lanes, the permute puts them back
+  const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), bytes);
+  int32_t t[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), total);
+  sum = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+  d = amax / 127.0f;
 #else
   float lane[16] = {};  // |x| maxima in 16 lanes, so the loop vectorises (a maximum is the same in any order)
   for (int i = 0; i < kBlock; i += 16)
@@ -461,12 +520,13 @@ inline void q4_block(const uint8_t* w, const QuantRows& x, int64_t r0, int64_t b
 #endif
 }
 
+constexpr int64_t kAhead = 8;  // blocks of a quantized tile prefetched ahead (the register tiles below)
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The quantized tile with every accumulator in a register: the same arithmetic as tile_rows' portable loop (each
 // block's exact integer dot product, then fma(isum, d_w * d_x, acc), then fma(m_w, d_x * sum q_x, acc) for q4_1),
 // with the block kAhead on prefetched while this one is multiplied (and its scales): far enough ahead that memory's
 // latency is hidden, not only the cache's.
-constexpr int64_t kAhead = 8;
 template <int RB, bool Q4>
 void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
   constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
@@ -517,6 +577,75 @@ void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t 
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The quantized tile on AVX2: the same arithmetic as tile_rows' portable loop, with a block's weights held in
+// registers for all RB rows, one half-tile (8 columns) at a time, and the block kAhead on prefetched. For 4-bit
+// weights a block's eight 4-k products are summed in int16 before widening: each maddubs lane is at most
+// 2 * 15 * 128 in magnitude, so eight of them stay below 32768, exact, and the widening multiply runs once, not eight
+// times. 8-bit weights (products up to 2 * 128 * 127) widen each product, as q8_block does.
+template <int RB, bool Q4>
+void quant_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
+  constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
+  const int64_t B = L.k / kBlock;
+  const uint8_t* wq = Q4 ? L.q4 + t * B * bytes : reinterpret_cast<const uint8_t*>(L.q8) + t * B * bytes;
+  const uint16_t* dp = L.d + t * B * kCols;
+  const uint16_t* mp = Q4 ? L.m + t * B * kCols : nullptr;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[RB][2];
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = wq + b * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kAhead * bytes + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAhead) * kCols), _MM_HINT_T0);
+    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAhead) * kCols), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i w[8];
+      if constexpr (Q4) {
+        for (int g = 0; g < 4; ++g) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
+          w[g] = _mm256_and_si256(v, low);
+          w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+      } else {  // |w|, shared by the rows; each row takes w's signs from the block (in L1 by then)
+        for (int g = 0; g < 8; ++g) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
+          w[g] = _mm256_sign_epi8(v, v);
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + b * kCols + h * 8)));
+      __m256 mw = _mm256_setzero_ps();
+      if constexpr (Q4) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + b * kCols + h * 8)));
+      for (int r = 0; r < RB; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xr = &xq.q[row * xq.k + b * kBlock];
+        __m256i s;
+        if constexpr (Q4) {
+          __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load4(xr)));
+          for (int g = 1; g < 8; ++g)
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load4(xr + 4 * g))));
+          s = _mm256_madd_epi16(p, ones);
+        } else {  // |w| . (x * sign(w)): unsigned times signed
+          s = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            const __m256i signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
+            const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * g)), signs);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xv), ones));
+          }
+        }
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[row * B + b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][h]);
+        if constexpr (Q4) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq.ds[row * B + b]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(out[r], acc[r][0]);
+    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+  }
+}
+#endif
+
 // One tile, RB rows: acc[r][c] over the whole of k.
 template <int RB>
 void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, int64_t r0, float (&acc)[RB][kCols]) {
@@ -525,6 +654,10 @@ void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (L.fmt == kFmtQ4_1) return quant_tile_avx512<RB, true>(L, t, xq, r0, acc);
   return quant_tile_avx512<RB, false>(L, t, xq, r0, acc);
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (L.fmt == kFmtQ4_1) return quant_tile_avx2<RB, true>(L, t, xq, r0, acc);
+  return quant_tile_avx2<RB, false>(L, t, xq, r0, acc);
 #endif
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
@@ -811,6 +944,8 @@ bool set_bf16_dots(bool on) {
   return before;
 }
 
+constexpr int64_t kRowBlock = 6;  // the most rows a score or value tile takes at once
+
 // Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order (in
 // pairs, odd first, with Pairs). `next` (or null): keys of the same layout (stride nks) fetched meanwhile, a row of
 // kTile per row multiplied.
@@ -818,6 +953,37 @@ template <int RB, int D, typename E, bool Pairs>
 inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
                        const E* next, int64_t nks) {
   constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // AVX2: 8 W keys at a time with every accumulator in a register (RB W of the 16: 4 vectors a row up to 3 rows,
+  // else 2), each key vector loaded once for the RB rows; the same fma chain per key as below. The next tile's
+  // D * kTile / line cache lines are requested evenly over the passes' steps: issued in a burst, most of them were
+  // dropped behind the misses in flight.
+  static_assert(RB <= kRowBlock, "score_tile: at most 6 rows fit AVX2's registers");
+  constexpr int W = RB <= 3 ? 4 : 2;
+  constexpr int64_t lines = D * kTile / line, steps = D * kTile / (8 * W);
+  for (int64_t l0 = 0; l0 < kTile; l0 += 8 * W) {
+    __m256 acc[RB][W];
+    for (int r = 0; r < RB; ++r)
+      for (int x = 0; x < W; ++x) acc[r][x] = _mm256_setzero_ps();
+    for (int jj = 0; jj < D; ++jj) {
+      const int j = Pairs ? jj ^ 1 : jj;
+      if (next != nullptr) {
+        const int64_t step = l0 / (8 * W) * D + jj;
+        for (int64_t u = step * lines / steps; u < (step + 1) * lines / steps; ++u)
+          __builtin_prefetch(next + u % D * nks + u / D * line, 0, kCacheToL2);
+      }
+      fma_tile<RB, W>(acc, kt + j * ks + l0, [&](int r) { return q[r * D + j]; });
+    }
+    const int64_t keep = std::min<int64_t>(8 * W, width - l0);
+    for (int r = 0; r < RB && keep > 0; ++r) {
+      float row[8 * W];
+      float* dst = keep == 8 * W ? p + r * ldp + l0 : row;
+      for (int x = 0; x < W; ++x) _mm256_storeu_ps(dst + 8 * x, acc[r][x]);
+      if (keep < 8 * W) std::copy(row, row + keep, p + r * ldp + l0);
+    }
+  }
+  return;
+#endif
   float acc[RB][kTile], wide[kTile];
   for (int r = 0; r < RB; ++r)
     for (int l = 0; l < kTile; ++l) acc[r][l] = 0.0f;
@@ -909,8 +1075,6 @@ inline void score_tile_bf16(const int32_t* qp, const uint16_t* kt, int64_t ks, i
   }
 }
 #endif
-
-constexpr int64_t kRowBlock = 6;  // the most rows a score or value tile takes at once
 
 template <typename Tile>
 inline void for_row_blocks(int64_t R, Tile tile) {
@@ -1135,6 +1299,26 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t k
 template <int RB, int D, typename E, bool Pairs>
 inline void value_tile(const float* w, int64_t ldw, const E* v, int64_t n, float* acc) {
   constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // AVX2: 8 W of the D elements at a time with every accumulator in a register (as score_tile's), each value
+  // vector loaded once for the RB rows; the same fma chain per element as below.
+  static_assert(RB <= kRowBlock && D % 16 == 0, "value_tile: at most 6 rows, D a multiple of 16");
+  constexpr int W = RB <= 3 && D % 32 == 0 ? 4 : 2;
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * W) {
+    __m256 a[RB][W];
+    for (int r = 0; r < RB; ++r)
+      for (int x = 0; x < W; ++x) a[r][x] = _mm256_loadu_ps(acc + r * D + d0 + 8 * x);
+    for (int64_t lj = 0; lj < n; ++lj) {
+      const int64_t l = Pairs ? lj ^ 1 : lj;
+      if (d0 == 0)
+        for (int64_t i = 0; i < D; i += line) __builtin_prefetch(v + (lj + kValuesAhead<E>) * D + i, 0, kCacheToL2);
+      fma_tile<RB, W>(a, v + l * D + d0, [&](int r) { return w[r * ldw + l]; });
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int x = 0; x < W; ++x) _mm256_storeu_ps(acc + r * D + d0 + 8 * x, a[r][x]);
+  }
+  return;
+#endif
   float a[RB][D], wide[D];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < D; ++i) a[r][i] = acc[r * D + i];
