@@ -425,38 +425,10 @@ inline void dense_tile(const float* x, int64_t ldx, const W* w, int64_t K, float
   }
 }
 
-// Integer dot products of RB quantized rows with one 32-block of a tile: isum[r][c].
+// Integer dot products of RB quantized rows with one 32-block of a tile: isum[r][c]. The portable loops: a build
+// for AVX2 or AVX-512 runs the register tiles below instead, whose integer sums are these.
 template <int RB>
 inline void q8_block(const int8_t* w, const QuantRows& x, int64_t r0, int64_t b, int32_t (&isum)[RB][kCols]) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  // dpbusd takes unsigned weights: (w + 128) . x = w . x + 128 * sum(x)
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i wv[8];
-  for (int g = 0; g < 8; ++g) wv[g] = _mm512_xor_si512(_mm512_loadu_si512(w + g * 64), flip);
-  for (int r = 0; r < RB; ++r) {
-    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
-    __m512i s = _mm512_setzero_si512();
-    for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(load4(xq + 4 * g)));
-    s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * x.sum[(r0 + r) * x.blocks + b]));
-    _mm512_storeu_si512(isum[r], s);
-  }
-#elif defined(__AVX2__)
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < RB; ++r) {
-    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
-    for (int h = 0; h < 2; ++h) {
-      __m256i s = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + h * 32));
-        const __m256i xv = _mm256_set1_epi32(load4(xq + 4 * g));
-        // |w| . (x * sign(w)): unsigned times signed, pairs within int16 (2 * 128 * 127 < 32768)
-        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&isum[r][h * 8]), s);
-    }
-  }
-#else
   for (int r = 0; r < RB; ++r) {
     const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
     for (int c = 0; c < kCols; ++c) {
@@ -466,45 +438,10 @@ inline void q8_block(const int8_t* w, const QuantRows& x, int64_t r0, int64_t b,
       isum[r][c] = s;
     }
   }
-#endif
 }
 
 template <int RB>
 inline void q4_block(const uint8_t* w, const QuantRows& x, int64_t r0, int64_t b, int32_t (&isum)[RB][kCols]) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i wv[8];
-  for (int g = 0; g < 4; ++g) {
-    const __m512i t = _mm512_loadu_si512(w + g * 64);
-    wv[g] = _mm512_and_si512(t, low);
-    wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
-  }
-  for (int r = 0; r < RB; ++r) {
-    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
-    __m512i s = _mm512_setzero_si512();
-    for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(load4(xq + 4 * g)));
-    _mm512_storeu_si512(isum[r], s);
-  }
-#elif defined(__AVX2__)
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i wv[2][8];
-  for (int h = 0; h < 2; ++h)
-    for (int g = 0; g < 4; ++g) {
-      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + h * 32));
-      wv[h][g] = _mm256_and_si256(t, low);
-      wv[h][g + 4] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
-    }
-  for (int r = 0; r < RB; ++r) {
-    const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
-    for (int h = 0; h < 2; ++h) {
-      __m256i s = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g)  // 4-bit weights times int8: pairs within int16 (2 * 15 * 127 < 32768)
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h][g], _mm256_set1_epi32(load4(xq + 4 * g))), ones));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&isum[r][h * 8]), s);
-    }
-  }
-#else
   for (int r = 0; r < RB; ++r) {
     const int8_t* xq = &x.q[(r0 + r) * x.k + b * kBlock];
     for (int c = 0; c < kCols; ++c) {
@@ -517,7 +454,6 @@ inline void q4_block(const uint8_t* w, const QuantRows& x, int64_t r0, int64_t b
       isum[r][c] = s;
     }
   }
-#endif
 }
 
 constexpr int64_t kAhead = 8;  // blocks of a quantized tile prefetched ahead (the register tiles below)
@@ -582,7 +518,7 @@ void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t 
 // registers for all RB rows, one half-tile (8 columns) at a time, and the block kAhead on prefetched. For 4-bit
 // weights a block's eight 4-k products are summed in int16 before widening: each maddubs lane is at most
 // 2 * 15 * 128 in magnitude, so eight of them stay below 32768, exact, and the widening multiply runs once, not eight
-// times. 8-bit weights (products up to 2 * 128 * 127) widen each product, as q8_block does.
+// times. 8-bit weights (products up to 2 * 128 * 127) widen each product: |w| times x signed as w.
 template <int RB, bool Q4>
 void quant_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
   constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
