@@ -458,27 +458,47 @@ inline void q4_block(const uint8_t* w, const QuantRows& x, int64_t r0, int64_t b
 
 constexpr int64_t kAhead = 8;  // blocks of a quantized tile prefetched ahead (the register tiles below)
 
+// One tile of a quantized weight, block by block, for the register tiles: a block's weights, fp16 scales and mins,
+// and the block kAhead on requested while this one is multiplied, far enough ahead that memory's latency is
+// hidden, not only the cache's.
+template <bool Q4>
+struct QuantTile {
+  static constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
+  int64_t blocks;
+  const uint8_t* w;
+  const uint16_t* d;
+  const uint16_t* m;
+
+  QuantTile(const Linear& L, int64_t t)
+      : blocks(L.k / kBlock),
+        w((Q4 ? L.q4 : reinterpret_cast<const uint8_t*>(L.q8)) + t * blocks * bytes),
+        d(L.d + t * blocks * kCols),
+        m(Q4 ? L.m + t * blocks * kCols : nullptr) {}
+
+  const uint8_t* block(int64_t b) const { return w + b * bytes; }
+  const uint16_t* scales(int64_t b) const { return d + b * kCols; }
+  const uint16_t* mins(int64_t b) const { return m + b * kCols; }
+
+  void fetch_ahead(int64_t b) const {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(block(b + kAhead) + line, 0, 3);
+    __builtin_prefetch(scales(b + kAhead), 0, 3);
+    if constexpr (Q4) __builtin_prefetch(mins(b + kAhead), 0, 3);
+  }
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The quantized tile with every accumulator in a register: the same arithmetic as tile_rows' portable loop (each
-// block's exact integer dot product, then fma(isum, d_w * d_x, acc), then fma(m_w, d_x * sum q_x, acc) for q4_1),
-// with the block kAhead on prefetched while this one is multiplied (and its scales): far enough ahead that memory's
-// latency is hidden, not only the cache's.
+// block's exact integer dot product, then fma(isum, d_w * d_x, acc), then fma(m_w, d_x * sum q_x, acc) for q4_1).
 template <int RB, bool Q4>
 void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
-  constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
-  const int64_t B = L.k / kBlock;
-  const uint8_t* wq = Q4 ? L.q4 + t * B * bytes : reinterpret_cast<const uint8_t*>(L.q8) + t * B * bytes;
-  const uint16_t* dp = L.d + t * B * kCols;
-  const uint16_t* mp = Q4 ? L.m + t * B * kCols : nullptr;
+  const QuantTile<Q4> tile(L, t);
+  const int64_t B = tile.blocks;
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* wb = wq + b * bytes;
-    for (int64_t line = 0; line < bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kAhead * bytes + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAhead) * kCols), _MM_HINT_T0);
-    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAhead) * kCols), _MM_HINT_T0);
+    const uint8_t* wb = tile.block(b);
+    tile.fetch_ahead(b);
     __m512i w[8];
     if constexpr (Q4) {
       for (int g = 0; g < 4; ++g) {
@@ -489,9 +509,9 @@ void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t 
     } else {  // dpbusd takes unsigned weights: (w + 128) . x = w . x + 128 * sum(x)
       for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(_mm512_loadu_si512(wb + g * 64), flip);
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + b * kCols)));
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile.scales(b))));
     __m512 mw = _mm512_setzero_ps();
-    if constexpr (Q4) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + b * kCols)));
+    if constexpr (Q4) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile.mins(b))));
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const int64_t row = r0 + r;
@@ -515,26 +535,20 @@ void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t 
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // The quantized tile on AVX2: the same arithmetic as tile_rows' portable loop, with a block's weights held in
-// registers for all RB rows, one half-tile (8 columns) at a time, and the block kAhead on prefetched. For 4-bit
-// weights a block's eight 4-k products are summed in int16 before widening: each maddubs lane is at most
-// 2 * 15 * 128 in magnitude, so eight of them stay below 32768, exact, and the widening multiply runs once, not eight
-// times. 8-bit weights (products up to 2 * 128 * 127) widen each product: |w| times x signed as w.
+// registers for all RB rows, one half-tile (8 columns) at a time. For 4-bit weights a block's eight 4-k products are
+// summed in int16 before widening: each maddubs lane is at most 2 * 15 * 128 in magnitude, so eight of them stay
+// below 32768, exact, and the widening multiply runs once, not eight times. 8-bit weights (products up to
+// 2 * 128 * 127) widen each product: |w| times x signed as w.
 template <int RB, bool Q4>
 void quant_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
-  constexpr int64_t bytes = Q4 ? 256 : 512;  // one block of the tile: 32 k x 16 columns
-  const int64_t B = L.k / kBlock;
-  const uint8_t* wq = Q4 ? L.q4 + t * B * bytes : reinterpret_cast<const uint8_t*>(L.q8) + t * B * bytes;
-  const uint16_t* dp = L.d + t * B * kCols;
-  const uint16_t* mp = Q4 ? L.m + t * B * kCols : nullptr;
+  const QuantTile<Q4> tile(L, t);
+  const int64_t B = tile.blocks;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[RB][2];
   for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* wb = wq + b * bytes;
-    for (int64_t line = 0; line < bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kAhead * bytes + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAhead) * kCols), _MM_HINT_T0);
-    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAhead) * kCols), _MM_HINT_T0);
+    const uint8_t* wb = tile.block(b);
+    tile.fetch_ahead(b);
     for (int h = 0; h < 2; ++h) {
       __m256i w[8];
       if constexpr (Q4) {
@@ -549,9 +563,9 @@ void quant_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0
           w[g] = _mm256_sign_epi8(v, v);
         }
       }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + b * kCols + h * 8)));
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile.scales(b) + h * 8)));
       __m256 mw = _mm256_setzero_ps();
-      if constexpr (Q4) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + b * kCols + h * 8)));
+      if constexpr (Q4) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile.mins(b) + h * 8)));
       for (int r = 0; r < RB; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xr = &xq.q[row * xq.k + b * kBlock];
