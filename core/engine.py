@@ -20,6 +20,7 @@ from core.generation.decoding import Generation, GenerationConfig, Step, StepFun
 from core.generation.sampling import Sampler
 from core.generation.text import byte_pieces
 from core.runtime.compiled import CompiledRunner
+from core.runtime.kernels.build import isa_level
 from core.runtime.kv_cache import KVCache, PartialKVCache
 from core.runtime.loading import LoadedModel, load_model, release_freed_memory, resolve
 from core.runtime.model import Transformer
@@ -80,7 +81,8 @@ class Engine:
             if compile:  # the native decoder is one call of our kernels: no graph would run it faster
                 self.notice("a CPU model runs on its native kernels; compiled graphs are for CUDA")
                 compile = False
-        self.options = (options or TokenSwiftOptions()).resolved(self.model.device, heads)
+        kernels = isa_level() if self.model.native else None
+        self.options = (options or TokenSwiftOptions()).resolved(self.model.device, heads, kernels)
         if self.model.native and heads is not None:
             # the lm_head rows drafting scores, packed now: their transient copies go back with the load's below,
             # where built at the first step they would stay in the heap for good

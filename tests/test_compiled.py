@@ -11,9 +11,10 @@ from core.engine import Engine
 from core.generation.decoding import GenerationConfig
 from core.generation.sampling import PRESETS
 from core.runtime.compiled import CompiledRunner, configure_inductor
+from core.runtime.kernels.build import isa_level
 from core.runtime.loading import cache_root, load_model
 from core.tokenswift.heads import DraftHeads
-from core.tokenswift.options import TokenSwiftOptions
+from core.tokenswift.options import CPU_GATES, TORCH_CPU_GATE, TokenSwiftOptions
 from core.tokenswift.tree import TreeBuilder
 
 
@@ -88,6 +89,17 @@ def test_a_cpu_engine_gates_trees_of_up_to_four_with_the_root_heads_levels_only(
     separate = Engine(loaded, heads, TokenSwiftOptions(draft_mode="separate"), compile=True)
     assert separate.options.draft_depth == 4 and (separate.plan.backbone_levels, separate.plan.root_levels) == (1, 2)
     assert separate.plan.chained_drafting and not separate.plan.graph_heads
+
+
+def test_an_engine_on_our_cpu_kernels_takes_its_kernel_levels_draft_gate(smol_engine) -> None:
+    # the default model runs on our kernels: its gate is their level's, higher where a second token costs more
+    assert smol_engine.model.native
+    assert smol_engine.options.min_draft_score == CPU_GATES[isa_level()]
+    assert CPU_GATES["generic"] > CPU_GATES["avx2"] > CPU_GATES["avx512"] == CPU_GATES["avx512bf16"] == TORCH_CPU_GATE
+    cpu = torch.device("cpu")
+    for level, gate in CPU_GATES.items():
+        assert TokenSwiftOptions().resolved(cpu, None, level).min_draft_score == gate
+    assert TokenSwiftOptions(min_draft_score=0.1).resolved(cpu, None, "avx2").min_draft_score == 0.1  # asked for
 
 
 def test_compiled_root_head_matches_eager_and_keeps_decoding_lossless(tmp_path: Path) -> None:

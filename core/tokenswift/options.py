@@ -45,13 +45,15 @@ class TokenSwiftOptions:
             raise ValueError("n-gram size must be >= 2, top-k values >= 0 (head top-k >= 1), lag >= 0")
         return self
 
-    def resolved(self, device: torch.device, heads: DraftHeads | None) -> "TokenSwiftOptions":
-        """These options with every device default (None) filled in, for an engine on `device` with `heads`."""
+    def resolved(self, device: torch.device, heads: DraftHeads | None,
+                 kernels: str | None = None) -> "TokenSwiftOptions":
+        """These options with every device default (None) filled in, for an engine on `device` with `heads`, its
+        model run by our CPU kernels built for the instruction-set level `kernels` (None: by PyTorch's operators)."""
         opt = self
         if opt.tree_budget is None:
             opt = replace(opt, tree_budget=default_tree_budget(device))
         if opt.min_draft_score is None:
-            opt = replace(opt, min_draft_score=default_min_draft_score(device))
+            opt = replace(opt, min_draft_score=default_min_draft_score(device, kernels))
         if opt.draft_depth is None:
             chain = heads.root_chain if heads is not None and heads.root is not None else 1
             levels = chain + (1 if opt.draft_mode == "separate" else 0)  # the backbone drafts level 1 there
@@ -74,16 +76,27 @@ def default_draft_depth(device: torch.device, levels: int = 1) -> int:
     return levels if device.type == "cpu" else MAX_TREE
 
 
-def default_min_draft_score(device: torch.device) -> float:
-    """The least calibrated chance of acceptance for which verifying a draft pays.
+# The CPU draft gate per level of our kernels (core/runtime/kernels/build.py). AVX-512's tiles verify a second token
+# for little (c(2) - 1 near 0.1); AVX2 has half the vector width and no 8-bit dot product, so a few rows' arithmetic
+# outweighs reading the weights (c(2) - 1 near 0.3); plain C++ loops verify n tokens for about n times one, so only a
+# certain draft pays there.
+CPU_GATES = {"avx512bf16": 0.25, "avx512": 0.25, "avx2": 0.45, "generic": 1.0}
+TORCH_CPU_GATE = 0.25  # a CPU model on PyTorch's operators
+
+
+def default_min_draft_score(device: torch.device, kernels: str | None = None) -> float:
+    """The least calibrated chance of acceptance for which verifying a draft pays, on `device` with our CPU kernels
+    built for `kernels` (None: PyTorch's operators).
 
     A 2-node tree yields 1 + p tokens for a cost c(2) against 1 token for 1, so a draft pays iff p > c(2) - 1
     (`python -m core cost-curve`); further nodes must pay for more, since on a CPU c(n) climbs faster past two nodes
-    and the step spends on each outside the forward too. So the CPU gate sits where the benchmark's studio runs were
-    fastest, well above c(2) - 1; with a low acceptance (the paper's sampling) verifying every draft loses. On a GPU,
-    where extra tokens are nearly free, every draft the budget allows is verified.
+    and the step spends on each outside the forward too. So a CPU's gate sits where the benchmark's studio runs on
+    such a CPU were fastest, above c(2) - 1; with a low acceptance (the paper's sampling) verifying every draft
+    loses. On a GPU, where extra tokens are nearly free, every draft the budget allows is verified.
     """
-    return 0.25 if device.type == "cpu" else 0.0
+    if device.type != "cpu":
+        return 0.0
+    return CPU_GATES[kernels] if kernels is not None else TORCH_CPU_GATE
 
 
 @dataclass(frozen=True)

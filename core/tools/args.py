@@ -49,8 +49,9 @@ def add_tokenswift_args(p: argparse.ArgumentParser) -> None:
                    help="n-gram continuations proposed per key, at most (default 20, and never more than the tree's "
                         "nodes below the root; 0 turns token reuse off)")
     p.add_argument("--min-draft-score", type=float, default=None,
-                   help="verify only drafts whose calibrated chance is at least this (default: 0.25 on a CPU, "
-                        "0 on CUDA)")
+                   help="verify only drafts whose calibrated chance is at least this (default on a CPU: 0.25 with "
+                        "AVX-512 kernels or PyTorch's operators, 0.45 with AVX2 kernels, 1 with plain C++ ones; 0 "
+                        "on CUDA)")
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingSettings:

@@ -38,7 +38,7 @@ from core.generation.sampling import PRESETS
 from core.generation.text import encode_prompt
 from core.runtime.loading import gguf_source, resolve
 from core.runtime.paths import ASSETS
-from core.tokenswift.options import GAMMA
+from core.tokenswift.options import CPU_GATES, GAMMA
 from core.tools.args import load_engine
 from core.tools.hardware import hardware, run_report
 from core.tools.peers import BUILD_HINT, llama_cpp_binary, run_llama_cpp
@@ -53,10 +53,13 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "tokenswift-no-heads": None,
     "tokenswift-always": {"min_draft_score": 0.0},
     "tokenswift-raw-gate": {"calibrate": False, "min_draft_score": 0.35},
+    # the draft gates of AVX-512's and AVX2's kernels (CPU_GATES), side by side on any CPU
+    "tokenswift-avx512-gate": {"min_draft_score": CPU_GATES["avx512"]},
+    "tokenswift-avx2-gate": {"min_draft_score": CPU_GATES["avx2"]},
     "tokenswift-tree2": {"tree_budget": 2, "min_draft_score": 0.25},  # at most one draft a step, gated
     # the root head's first level only (the CPU defaults before the chained root head)
     "tokenswift-deep4": {"tree_budget": 4, "draft_depth": 1, "min_draft_score": 0.25},
-    # the CPU's gated trees drafted by the chained root head's 3 levels, n-gram chains below (the CPU defaults)
+    # the gated trees drafted by the chained root head's 3 levels, n-gram chains below (the defaults with AVX-512)
     "tokenswift-gated": {"tree_budget": 4, "draft_depth": 3, "min_draft_score": 0.25},
     "tokenswift-gated8": {"tree_budget": 8, "draft_depth": 3, "min_draft_score": 0.25},
     # 4 nodes, every draft of every level verified (the CPU defaults before the gate)
