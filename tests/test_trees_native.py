@@ -89,4 +89,7 @@ def test_a_generation_steps_alike_on_either_trees(smol_engine, monkeypatch, opti
 
     native, reference = run(True), run(False)
     assert native == reference
-    assert sum(s[1] for s in native) > 10 and sum(s[4] for s in native) > 2 * len(native), "few trees verified"
+    # enough trees to compare: on average a draft verified (a node past the root) every two steps at least, and
+    # some accepted (the default gate verifies fewer where a second token costs more: AVX2, CPU_GATES)
+    drafts = sum(s[4] - 1 for s in native)
+    assert sum(s[1] for s in native) > 10 and drafts > len(native) // 2, "few trees verified"
