@@ -80,7 +80,7 @@ def default_draft_depth(device: torch.device, levels: int = 1) -> int:
 # for little (c(2) - 1 near 0.1); AVX2 has half the vector width and no 8-bit dot product, so a few rows' arithmetic
 # outweighs reading the weights (c(2) - 1 near 0.3); plain C++ loops verify n tokens for about n times one, so only a
 # certain draft pays there.
-CPU_GATES = {"avx512bf16": 0.25, "avx512": 0.25, "avx2": 0.45, "generic": 1.0}
+CPU_GATES: dict[str, float] = {"avx512bf16": 0.25, "avx512": 0.25, "avx2": 0.45, "generic": 1.0}
 TORCH_CPU_GATE = 0.25  # a CPU model on PyTorch's operators
 
 
