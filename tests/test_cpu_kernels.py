@@ -13,6 +13,7 @@ import torch
 
 from conftest import make_tiny_checkpoint
 from core.runtime.kernels import build, cpu
+from core.runtime.kv_cache import key_slots, tile_keys
 from core.runtime.loading import load_model
 from core.runtime.weights import BLOCK, from_blocks, from_gguf_blocks, pack, quantize_q4_1, quantize_q8_0
 from core.tokenswift.tree import HEADS, TreeBuilder
@@ -214,10 +215,14 @@ def test_gguf_blocks_are_read_byte_for_byte() -> None:
 
 def cache(kv: int, slots: int, d: int, seed: int,
           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys stored as the CPU cache stores them ([kv, d, slots] under a [kv, slots, d] view) and values."""
+    """Random keys and values [kv, slots, d]."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(kv, d, slots, generator=g).to(dtype).transpose(1, 2),
-            torch.randn(kv, slots, d, generator=g).to(dtype))
+    return torch.randn(kv, slots, d, generator=g).to(dtype), torch.randn(kv, slots, d, generator=g).to(dtype)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """cpu.attend over keys [kv, slots, d] stored in tiles, as the cache stores them."""
+    return cpu.attend(q, tile_keys(keys), values, *args, **kwargs)
 
 
 CHUNK = 256  # cpu.cpp's kChunk: a row's keys in chunks of 256 logical positions, each with its own maximum
@@ -256,7 +261,7 @@ def reference_attention(q, keys, values, past: int, visible: torch.Tensor, n: in
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("past", [0, 1, 255, 300, 1000])
+@pytest.mark.parametrize("past", [0, 1, 255, 256, 300, 1000])  # 256: a block that starts a tile of keys
 def test_attention_matches_softmax_attention(d: int, past: int, dtype: torch.dtype) -> None:
     """Over an fp32 cache: float64's softmax attention to float rounding. Over a bf16 cache: float64's with the
     query and the values' weights in bf16 (reference_attention), where a weight whose fp32 exp and float64's round
@@ -267,7 +272,7 @@ def test_attention_matches_softmax_attention(d: int, past: int, dtype: torch.dty
     q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(1))
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
     for visible in (tree, torch.ones(n, n).tril().bool()):
-        out = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5).double()
+        out = attend(q, keys, values, n, past, visible, None, d**-0.5).double()
         reference = reference_attention(q, keys, values, past, visible, n)
         if dtype == torch.float32:
             torch.testing.assert_close(out, reference, rtol=2e-5, atol=2e-5)
@@ -276,16 +281,16 @@ def test_attention_matches_softmax_attention(d: int, past: int, dtype: torch.dty
         assert (out - reference).abs().mean() < 1e-6
         unrounded = reference_attention(q, keys, values, past, visible, n, bf16=False)
         assert (out - unrounded).abs().mean() > 2e-5
-    causal = cpu.attend(q, keys, values, n, past, None, None, d**-0.5)
-    assert torch.equal(causal, cpu.attend(q, keys, values, n, past, torch.ones(n, n).tril().bool(), None, d**-0.5))
+    causal = attend(q, keys, values, n, past, None, None, d**-0.5)
+    assert torch.equal(causal, attend(q, keys, values, n, past, torch.ones(n, n).tril().bool(), None, d**-0.5))
 
 
 def test_a_sliding_window_hides_the_keys_before_it() -> None:
     keys, values = cache(1, 600, 64, seed=3)
     q = torch.randn(1, 1, 64)
-    windowed = cpu.attend(q, keys, values, 1, 520, None, 100, 64**-0.5)
+    windowed = attend(q, keys, values, 1, 520, None, 100, 64**-0.5)
     # the last 100 keys of the logical sequence (slots 421..520), as a short cache of exactly those keys
-    short = cpu.attend(q, keys[:, 421:], values[:, 421:], 1, 99, None, None, 64**-0.5)
+    short = attend(q, keys[:, 421:], values[:, 421:], 1, 99, None, None, 64**-0.5)
     torch.testing.assert_close(windowed, short, rtol=1e-6, atol=1e-6)
 
 
@@ -307,7 +312,7 @@ def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past:
         n = len(tree)
         keys, values = cache(kv, past + n + 1, d, seed=past + n, dtype=dtype)
         q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(n))
-        together = cpu.attend(q, keys, values, n, past, tree.mask(), None, d**-0.5)
+        together = attend(q, keys, values, n, past, tree.mask(), None, d**-0.5)
         for i in range(n):
             path = [i]
             while tree.parents[path[-1]] >= 0:
@@ -317,7 +322,7 @@ def test_a_tree_node_attends_as_a_single_step_with_its_ancestors_committed(past:
             k2[:, :past], v2[:, :past] = keys[:, :past], values[:, :past]
             k2[:, past:past + len(path)], v2[:, past:past + len(path)] = keys[:, [past + j for j in path]], \
                 values[:, [past + j for j in path]]
-            alone = cpu.attend(q[:, [g * n + i for g in range(group)]], k2, v2, 1, past + len(path) - 1, None,
+            alone = attend(q[:, [g * n + i for g in range(group)]], k2, v2, 1, past + len(path) - 1, None,
                                None, d**-0.5)
             assert torch.equal(alone, together[:, [g * n + i for g in range(group)]]), (n, i)
 
@@ -330,11 +335,11 @@ def test_a_bf16_cache_without_bf16_products_is_attended_as_its_values_widened(pa
     keys, values = cache(kv, past + n + 9, d, seed=past, dtype=torch.bfloat16)
     q = torch.randn(kv, group * n, d, generator=torch.Generator().manual_seed(4))
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
-    wide_keys = keys.transpose(1, 2).float().transpose(1, 2)  # stored transposed, as the cache stores them
+    wide_keys = keys.float()
     for visible in (tree, None):
-        wide = cpu.attend(q, wide_keys, values.float(), n, past, visible, None, d**-0.5)
-        assert torch.equal(cpu.attend(q, keys, values, n, past, visible, None, d**-0.5, bf16_products=False), wide)
-        assert not torch.equal(cpu.attend(q, keys, values, n, past, visible, None, d**-0.5), wide)
+        wide = attend(q, wide_keys, values.float(), n, past, visible, None, d**-0.5)
+        assert torch.equal(attend(q, keys, values, n, past, visible, None, d**-0.5, bf16_products=False), wide)
+        assert not torch.equal(attend(q, keys, values, n, past, visible, None, d**-0.5), wide)
 
 
 @pytest.mark.parametrize("d", [64, 80])
@@ -352,9 +357,9 @@ def test_bf16_pairs_give_the_same_floats_on_vdpbf16ps_and_as_two_fmas(d: int) ->
             visible = torch.ones(n, n).tril().bool()
             visible[n // 2:, 1:n // 2] = False  # a branch: the later tokens skip the first ones' descendants
             ext.set_bf16_dots(True)
-            dots = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5)
+            dots = attend(q, keys, values, n, past, visible, None, d**-0.5)
             ext.set_bf16_dots(False)
-            fmas = cpu.attend(q, keys, values, n, past, visible, None, d**-0.5)
+            fmas = attend(q, keys, values, n, past, visible, None, d**-0.5)
             assert torch.equal(dots, fmas), (past, n)
     finally:
         ext.set_bf16_dots(before)
@@ -425,7 +430,7 @@ def test_native_prefill_gives_the_floats_of_one_token_steps(tiny_dir: Path, weig
             c2.commit()
             steps.append(logits)
     assert torch.equal(torch.cat(steps), whole)
-    assert torch.equal(c1.k[:, :, :300], c2.k[:, :, :300]) and torch.equal(c1.v[:, :, :300], c2.v[:, :, :300])
+    assert torch.equal(c1.keys()[:, :, :300], c2.keys()[:, :, :300]) and torch.equal(c1.v[:, :, :300], c2.v[:, :, :300])
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -540,6 +545,7 @@ def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     bf16 too, which CUDA does not.)"""
     h, n, d = q.shape
     qg = q.reshape(keys.shape[0], -1, d).float()
+    keys = key_slots(keys, 0, values.shape[1])  # (a CPU cache holds them in tiles)
     mask = None if seen.bias is None else seen.bias.float()
     out = torch.nn.functional.scaled_dot_product_attention(qg, keys.float(), values.float(), attn_mask=mask)
     return out.to(q.dtype).view(h, n, d)

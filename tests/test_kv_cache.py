@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from core.runtime.kv_cache import KVCache, PartialKVCache
+from core.runtime.kv_cache import KEY_TILE, KVCache, PartialKVCache, key_slots, put_key_slots, tile_keys
 from core.runtime.model import ModelConfig, Transformer, build_model
 from core.tokenswift.tree import TreeBuilder
 
@@ -19,6 +19,27 @@ def model() -> Transformer:
     return build_model(ModelConfig.from_hf(hf.config), hf.state_dict())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_in_tiles_read_back_as_written_across_tiles(dtype: torch.dtype) -> None:
+    """A CPU cache keeps its keys in tiles of 64 slots: slots written from anywhere (inside a tile, across two or
+    three of them) read back as written, each key's elements where the kernels look for them (key_offset: tile,
+    element, slot in the tile), and nothing else moves."""
+    c = KVCache(n_layers=2, n_kv_heads=3, head_dim=16, max_len=200, dtype=dtype, device="cpu")
+    assert c.tiled and c.k.shape == (2, 3, 4, 16, KEY_TILE)
+    gen = torch.Generator().manual_seed(5)
+    expected = torch.zeros(2, 3, 200, 16, dtype=dtype)
+    for start, n in ((0, 1), (5, 3), (60, 10), (100, 90), (199, 1)):
+        new = torch.randn(3, n, 16, generator=gen).to(dtype)
+        put_key_slots(c.k[1], start, new)
+        expected[1, :, start:start + n] = new
+        assert torch.equal(key_slots(c.k[1], start, start + n), new)
+    assert torch.equal(c.keys(), expected)
+    assert torch.equal(tile_keys(expected), c.k)
+    slot, j = 130, 7  # element j of the key in `slot`, as the kernels address it
+    flat = c.k[1, 2].reshape(-1)
+    assert flat[slot // KEY_TILE * 16 * KEY_TILE + j * KEY_TILE + slot % KEY_TILE] == expected[1, 2, slot, j]
+
+
 def test_keep_compacts_rows_in_place() -> None:
     c = KVCache(n_layers=2, n_kv_heads=1, head_dim=2, max_len=16, dtype=torch.float32, device="cpu")
     c.length = 3
@@ -28,34 +49,35 @@ def test_keep_compacts_rows_in_place() -> None:
         c.write(layer, k, k, -k)
     c.keep([0, 2, 4])
     assert c.length == 6
-    assert c.k[1, 0, 3:6, 0].tolist() == [100.0, 104.0, 108.0]
+    assert c.keys()[1, 0, 3:6, 0].tolist() == [100.0, 104.0, 108.0]
     assert c.v[0, 0, 3:6, 1].tolist() == [-1.0, -5.0, -9.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernels_keep_moves_the_rows_torchs_indexing_moves(monkeypatch: pytest.MonkeyPatch,
                                                               dtype: torch.dtype) -> None:
-    """The kernel's compaction (every layer in one call, keys stored transposed) leaves the cache exactly as
-    PyTorch's advanced indexing does; rows out of order or outside the block are refused."""
+    """The kernel's compaction (every layer in one call, keys stored in tiles) leaves the cache exactly as PyTorch's
+    advanced indexing does, a block across two tiles of keys; rows out of order or outside the block are refused."""
     caches = []
     for native in (True, False):
         if not native:
             monkeypatch.setattr("core.runtime.kv_cache.cpu.kernel", lambda: None)
-        c = KVCache(n_layers=3, n_kv_heads=2, head_dim=16, max_len=40, dtype=dtype, device="cpu")
-        assert c.k.stride(2) == 1  # keys stored transposed, as the kernel reads them
+        c = KVCache(n_layers=3, n_kv_heads=2, head_dim=16, max_len=80, dtype=dtype, device="cpu")
+        assert c.tiled == native  # keys in tiles where the kernel reads them
         gen = torch.Generator().manual_seed(3)
-        c.k.copy_(torch.randn(c.k.shape, generator=gen))
+        keys = torch.randn(c.v.shape, generator=gen).to(dtype)
+        c.k.copy_(tile_keys(keys) if native else keys)
         c.v.copy_(torch.randn(c.v.shape, generator=gen))
-        c.length = 20
+        c.length = 60
         c.begin(8)
-        before = (c.k.clone(), c.v.clone())
+        before = (c.keys().clone(), c.v.clone())
         c.keep([0, 3, 4, 7])
         caches.append(c)
-    assert caches[0].length == caches[1].length == 24
-    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[0].length == caches[1].length == 64
+    assert torch.equal(caches[0].keys(), caches[1].keys()) and torch.equal(caches[0].v, caches[1].v)
     for d, r in enumerate([0, 3, 4, 7]):
-        assert torch.equal(caches[0].k[:, :, 20 + d], before[0][:, :, 20 + r])
-        assert torch.equal(caches[0].v[:, :, 20 + d], before[1][:, :, 20 + r])
+        assert torch.equal(caches[0].keys()[:, :, 60 + d], before[0][:, :, 60 + r])
+        assert torch.equal(caches[0].v[:, :, 60 + d], before[1][:, :, 60 + r])
     for rows in ([0, 2, 1], [0, 8], [1, 1], list(range(9))):
         c = caches[0]
         c.begin(8)
@@ -134,16 +156,16 @@ def test_partial_cache_selects_sinks_and_top_scored_then_refreshes(model: Transf
     model(torch.tensor([7]), torch.tensor([100]), partial)
     assert partial.selections == 1 and partial.selected_at == 100
     # the 16 sink tokens sit first in every layer and head
-    assert torch.equal(partial.k[:, :, :16], cache.k[:, :, :16])
+    assert torch.equal(partial.keys()[:, :, :16], cache.keys()[:, :, :16])
     # every selected key is one of the full cache's keys (a real token, not noise)
-    sel = partial.k[0, 0, 16:budget]
-    full = cache.k[0, 0, :100]
+    sel = partial.keys()[0, 0, 16:budget]
+    full = cache.keys()[0, 0, :100]
     assert all(((full - row).abs().sum(-1) == 0).any() for row in sel)
     # tokens committed later overwrite the lowest-scored slots, newest last-but-closest to the end
     model(torch.tensor([1, 2, 3]), torch.arange(100, 103), cache)
     cache.commit()
     model(torch.tensor([7]), torch.tensor([103]), partial)
-    assert torch.equal(partial.k[:, :, budget - 3:budget], cache.k[:, :, 100:103].flip(2))
+    assert torch.equal(partial.keys()[:, :, budget - 3:budget], cache.keys()[:, :, 100:103].flip(2))
     # once the recent tokens would reach the sinks, the whole sequence is scored again
     n_more = budget - 16
     model(torch.arange(n_more), torch.arange(103, 103 + n_more), cache)

@@ -48,7 +48,7 @@ def test_the_default_models_weights_and_cache_are_on_huge_pages(smol_engine) -> 
         assert huge_kib_at(layer.packed.data.data_ptr()) >= 2048
     cache = KVCache(model.cfg.n_layers, model.cfg.n_kv_heads, model.cfg.head_dim, 4096, torch.float32, "cpu")
     assert huge_kib_at(cache.k.data_ptr()) >= 2048 and huge_kib_at(cache.v.data_ptr()) >= 2048
-    assert cache.k.stride(2) == 1 and bool((cache.k == 0).all()) and bool((cache.v == 0).all())
+    assert cache.tiled and bool((cache.k == 0).all()) and bool((cache.v == 0).all())
 
 
 def test_packed_weights_in_the_arena_hold_the_same_numbers(monkeypatch) -> None:

@@ -8,10 +8,12 @@ The partial cache (TokenSwift's dynamic KV management) gives the one-token draft
 tokens, the tokens the latest query attends to most (scored per KV head), and the most recent tokens, which
 overwrite the lowest-scored slots as they arrive. Once they would reach the sinks, the whole sequence is re-scored.
 
-On a CPU in float32 or bfloat16 both caches store keys transposed ([layers, kv_heads, d, slots] underneath a
-[.., slots, d] view), the layout the attention kernel (kernels/cpu.cpp) reads: its scores then vectorise along the
-keys. A native model's cache is bfloat16 (Transformer.cache_dtype): keys and values rounded once as they are
-written, half the bytes every step reads.
+Where our CPU kernels run attention (float32 or bfloat16 on a CPU) both caches store keys in tiles of 64 slots,
+[layers, kv_heads, slots / 64, d, 64]: a tile holds element j of its 64 keys together, so the kernel's scores
+vectorise along the keys, and is one contiguous block the memory streams at its full rate (kernels/cpu.cpp:
+key_offset). `keys()` gives them as [layers, kv_heads, slots, d], the layout they have elsewhere. A native
+model's cache is bfloat16 (Transformer.cache_dtype): keys and values rounded once as they are written, half the
+bytes every step reads.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from core.runtime.kernels import cpu
 
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache formats the CPU kernel reads
+KEY_TILE = 64  # slots per tile of keys stored in tiles (kernels/cpu.cpp: kTile)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
@@ -32,13 +35,62 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def tiled(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a cache of `dtype` on `device` stores its keys in tiles: where our CPU kernels read it."""
+    return torch.device(device).type == "cpu" and dtype in NATIVE_DTYPES and cpu.kernel() is not None
+
+
 def key_buffer(n_layers: int, n_kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype,
                device: torch.device | str) -> Tensor:
-    """A zeroed [n_layers, n_kv_heads, slots, head_dim] key buffer; transposed underneath on a CPU in the kernel's
-    formats."""
-    if torch.device(device).type == "cpu" and dtype in NATIVE_DTYPES:
-        return zeroed((n_layers, n_kv_heads, head_dim, slots), dtype, device).transpose(2, 3)
+    """Zeroed keys: in tiles, [n_layers, n_kv_heads, ceil(slots / 64), head_dim, 64], where `tiled`, else
+    [n_layers, n_kv_heads, slots, head_dim]."""
+    if tiled(dtype, device):
+        return zeroed((n_layers, n_kv_heads, -(-slots // KEY_TILE), head_dim, KEY_TILE), dtype, device)
     return zeroed((n_layers, n_kv_heads, slots, head_dim), dtype, device)
+
+
+def tile_keys(keys: Tensor) -> Tensor:
+    """Keys [..., slots, d] in tiles [..., ceil(slots / 64), d, 64] (zeros past the last slot), as the CPU kernels
+    read them."""
+    *lead, slots, d = keys.shape
+    tiles = -(-slots // KEY_TILE)
+    padded = keys.new_zeros(*lead, tiles * KEY_TILE, d)
+    padded[..., :slots, :] = keys
+    return padded.view(*lead, tiles, KEY_TILE, d).transpose(-1, -2).contiguous()
+
+
+def untile_keys(tiles: Tensor) -> Tensor:
+    """Keys in tiles [..., T, d, 64] as [..., T * 64, d] (a copy)."""
+    *lead, t, d, width = tiles.shape
+    return tiles.transpose(-1, -2).reshape(*lead, t * width, d)
+
+
+def logical_keys(keys: Tensor, slots: int) -> Tensor:
+    """Every layer's keys (a key_buffer of `slots`) as [layers, kv_heads, slots, d]: a copy where they are in tiles."""
+    return untile_keys(keys)[:, :, :slots] if keys.dim() == 5 else keys
+
+
+def key_slots(keys: Tensor, start: int, end: int) -> Tensor:
+    """Slots [start, end) of one layer's keys (key_buffer(..)[layer]) as [kv_heads, end - start, d]: a view, or a
+    copy of the tiles that hold them."""
+    if keys.dim() == 3:
+        return keys[:, start:end]
+    t0 = start // KEY_TILE
+    return untile_keys(keys[:, t0:-(-end // KEY_TILE)])[:, start - t0 * KEY_TILE:end - t0 * KEY_TILE]
+
+
+def put_key_slots(keys: Tensor, start: int, new: Tensor) -> None:
+    """Write new [kv_heads, n, d] into slots start .. start + n - 1 of one layer's keys, a tile at a time."""
+    if keys.dim() == 3:
+        keys[:, start:start + new.shape[1]] = new
+        return
+    done = 0
+    while done < new.shape[1]:
+        slot = start + done
+        at = slot % KEY_TILE
+        n = min(KEY_TILE - at, new.shape[1] - done)
+        keys[:, slot // KEY_TILE, :, at:at + n] = new[:, done:done + n].transpose(1, 2)
+        done += n
 
 
 class KVCacheTooLarge(ValueError):
@@ -84,13 +136,10 @@ class KVCache:
                  device: torch.device | str):
         # keys and values of every layer: sized against the GPU's free memory first, with a clear refusal
         check_fits(max_len, 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize, device)
-        self.k = key_buffer(n_layers, n_kv_heads, max_len, head_dim, dtype, device)
-        # the keys as they lie in memory, [layers, kv_heads, head_dim, slots], as the kernels take them (a view made
-        # once: the forward passes it, with no operator called to make it)
-        self.k_stored = self.k.transpose(2, 3)
+        self.k = key_buffer(n_layers, n_kv_heads, max_len, head_dim, dtype, device)  # (in tiles: our kernels')
         self.v = zeroed((n_layers, n_kv_heads, max_len, head_dim), dtype, device)
-        # whether our kernels move kept rows (keep): looked up once, not between two forwards
-        self._native_keep = self.k.device.type == "cpu" and dtype in NATIVE_DTYPES and cpu.kernel() is not None
+        # whether the keys are in tiles and our kernels move kept rows (keep): looked up once, not per forward
+        self.tiled = self.k.dim() == 5
         self.max_len = max_len
         self.length = 0  # committed tokens
         self.n_new = 0  # tokens written by the last forward, not yet committed
@@ -102,11 +151,16 @@ class KVCache:
         self.n_new = n
 
     def write(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new tokens' keys/values ([kv_heads, n, d]) and return everything they may attend to."""
+        """Store the new tokens' keys/values ([kv_heads, n, d]) and return everything they may attend to: the
+        layer's keys (all its tiles, where tiled; else slots up to the new tokens') and values."""
         end = self.length + k.shape[1]
-        self.k[layer, :, self.length:end] = k
+        put_key_slots(self.k[layer], self.length, k)
         self.v[layer, :, self.length:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        return self.k[layer] if self.tiled else self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def keys(self) -> Tensor:
+        """Every layer's keys as [layers, kv_heads, slots, d] (a copy where they are stored in tiles)."""
+        return logical_keys(self.k, self.max_len)
 
     def attention_mask(self, n: int, block_mask: Tensor | None, positions: Tensor,
                        sliding_window: int | None = None) -> Tensor | None:
@@ -143,7 +197,7 @@ class KVCache:
         elif rows != sorted(set(rows)) or not 0 <= rows[0] <= rows[-1] < self.n_new:
             raise ValueError(f"rows to keep must be distinct, increasing and in the last block, got {rows}")
         else:
-            if self._native_keep:  # one call for every layer (torch's indexing costs more than the copy here)
+            if self.tiled:  # one call for every layer (torch's indexing costs more than the copy here)
                 cpu.kernel().keep_rows(self.k, self.v, start, rows)
             else:  # advanced indexing gathers into a new tensor first, so overlapping source/destination is safe
                 index = torch.tensor(rows, dtype=torch.long, device=self.k.device) + start
@@ -171,10 +225,12 @@ class PartialKVCache:
             raise ValueError(f"partial KV budget must exceed {self.SINKS + 1} tokens, got {budget}")
         self.full = full
         self.budget = budget
-        n_layers, n_kv, _, d = full.k.shape
+        n_layers, n_kv, _, d = full.v.shape
         # budget slots plus room for the draft pass's own new tokens
-        self.k = key_buffer(n_layers, n_kv, budget + 8, d, full.k.dtype, full.k.device)
-        self.v = zeroed((n_layers, n_kv, budget + 8, d), full.v.dtype, full.v.device)
+        self.slots = budget + 8
+        self.k = key_buffer(n_layers, n_kv, self.slots, d, full.k.dtype, full.k.device)
+        self.v = zeroed((n_layers, n_kv, self.slots, d), full.v.dtype, full.v.device)
+        self.tiled = self.k.dim() == 5
         self.selected_at: int | None = None  # full length at the last selection
         self.synced = 0  # full length up to which recent tokens were copied in
         self.selections = 0
@@ -194,12 +250,16 @@ class PartialKVCache:
             self._plan = "select"
         else:
             self._plan = "sync"
-        if n > self.k.shape[2] - self.budget:
+        if n > self.slots - self.budget:
             raise ValueError(f"draft pass of {n} tokens exceeds the partial cache's spare slots")
         self.n_new = n
 
     def visible_past(self) -> int:
         return self.full.length if self._plan == "full" else self.budget
+
+    def keys(self) -> Tensor:
+        """Every layer's keys as [layers, kv_heads, slots, d] (a copy where they are stored in tiles)."""
+        return logical_keys(self.k, self.slots)
 
     def attention_mask(self, n: int, block_mask: Tensor | None, positions: Tensor,
                        sliding_window: int | None = None) -> Tensor | None:
@@ -214,17 +274,17 @@ class PartialKVCache:
         else:
             self._sync(layer, L)
         n = k.shape[1]
-        self.k[layer, :, B:B + n] = k
+        put_key_slots(self.k[layer], B, k)
         self.v[layer, :, B:B + n] = v
         if layer == self.k.shape[0] - 1:
             if self._plan == "select":
                 self.selected_at, self.synced, self.selections = L, L, self.selections + 1
             else:
                 self.synced = L
-        return self.k[layer, :, :B + n], self.v[layer, :, :B + n]
+        return self.k[layer] if self.tiled else self.k[layer, :, :B + n], self.v[layer, :, :B + n]
 
     def _select(self, layer: int, q: Tensor, L: int) -> None:
-        keys = self.full.k[layer, :, :L]  # [kv_heads, L, d]
+        keys = key_slots(self.full.k[layer], 0, L)  # [kv_heads, L, d]
         n_kv = keys.shape[0]
         # Raw dot-product scores of the latest query, summed over the query heads that share each KV head.
         scores = torch.einsum("gd,gld->gl", q.reshape(n_kv, -1, q.shape[-1]).sum(1), keys.to(q.dtype))
@@ -232,7 +292,7 @@ class PartialKVCache:
         top = scores[:, S:].topk(self.budget - S, dim=-1).indices + S  # sorted by score, best first
         idx = torch.cat([torch.arange(S, device=keys.device).expand(n_kv, S), top], dim=1)
         gather = idx[:, :, None].expand(-1, -1, keys.shape[-1])
-        self.k[layer, :, :self.budget] = keys.gather(1, gather)
+        put_key_slots(self.k[layer], 0, keys.gather(1, gather))
         self.v[layer, :, :self.budget] = self.full.v[layer, :, :L].gather(1, gather)
 
     def _sync(self, layer: int, L: int) -> None:
@@ -242,7 +302,7 @@ class PartialKVCache:
         if hi > lo:
             B, m0 = self.budget, self.synced - self.selected_at
             dst = slice(B - (hi - self.selected_at), B - m0)
-            self.k[layer, :, dst] = self.full.k[layer, :, lo:hi].flip(1)
+            put_key_slots(self.k[layer], dst.start, key_slots(self.full.k[layer], lo, hi).flip(1))
             self.v[layer, :, dst] = self.full.v[layer, :, lo:hi].flip(1)
 
     def commit(self) -> None:

@@ -1,7 +1,7 @@
 """Long-lived CPU buffers on 2 MiB pages: the packed weights and the KV cache, which every decoding step reads.
 
-On 4 KiB pages a step's reads miss the TLB thousands of times (keys stored transposed put each head dimension's row
-on its own pages). Linux backs memory with transparent huge pages where a program asks for them (madvise, the usual
+On 4 KiB pages a step's reads miss the TLB thousands of times (every layer's and head's keys and values on pages of
+their own). Linux backs memory with transparent huge pages where a program asks for them (madvise, the usual
 setting) or everywhere ("always"). Here a buffer is a slice of a reservation aligned to 2 MiB and advised
 MADV_HUGEPAGE before anything touches it, so its pages are huge from their first write. Only written pages become
 resident: an over-sized reservation costs address space, not memory. Elsewhere (another OS, huge pages off, a GPU

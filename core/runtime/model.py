@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from core.runtime import large_pages
 from core.runtime.kernels import cpu
-from core.runtime.kv_cache import NATIVE_DTYPES, KVCache, PartialKVCache
+from core.runtime.kv_cache import NATIVE_DTYPES, KVCache, PartialKVCache, key_slots
 from core.runtime.weights import NativeLinear, PackedWeight, pack
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -183,8 +183,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, seen: Visibility) -> Tens
 
     The query heads that share a KV head are folded into its rows ([kv_heads, group * n, d]), so grouped-query
     attention needs no copies of the keys (PyTorch's `enable_gqa` path falls back to a slow kernel on CPU). On a
-    float32 CPU with keys stored transposed our kernel runs it, each row over its keys in logical order; elsewhere
-    two matrix products or PyTorch's fused kernel.
+    float32 CPU with keys in tiles (kv_cache.tiled) our kernel runs it, each row over its keys in logical order;
+    elsewhere two matrix products or PyTorch's fused kernel.
     """
     h, n, d = q.shape
     kv = keys.shape[0]
@@ -192,6 +192,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, seen: Visibility) -> Tens
     if native_attention(q, keys):
         return cpu.attend(qg, keys, values, n, seen.past, seen.block_mask, seen.window, d**-0.5).view(h, n, d)
     scale = d**-0.5
+    keys = key_slots(keys, 0, values.shape[1])  # (from tiles, where the kernel does not take these queries)
     if keys.dtype == torch.bfloat16 and q.dtype == torch.float32:  # a bf16 cache: bf16 queries, as the kernel takes
         qg, scale = (qg * scale).to(torch.bfloat16).float(), 1.0
         keys, values = keys.float(), values.float()
@@ -207,10 +208,10 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, seen: Visibility) -> Tens
 
 
 def native_attention(q: Tensor, keys: Tensor) -> bool:
-    """Whether our CPU kernel runs this attention: float32 queries on a CPU, fp32 or bf16 keys stored transposed, a
-    head size it has."""
+    """Whether our CPU kernel runs this attention: float32 queries on a CPU, fp32 or bf16 keys in tiles, a head size
+    it has."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and keys.dtype in NATIVE_DTYPES
-            and keys.stride(1) == 1 and q.shape[-1] in cpu.HEAD_SIZES and not torch.compiler.is_compiling()
+            and keys.dim() == 4 and q.shape[-1] in cpu.HEAD_SIZES and not torch.compiler.is_compiling()
             and cpu.kernel() is not None)
 
 
@@ -423,8 +424,8 @@ class Transformer(nn.Module):
         else:
             x, ids = self.embed(tokens).float().contiguous(), no_tokens
         visible = block_mask if block_mask is not None else no_mask  # (the kernel takes any layout)
-        cos, sin = self.rope_table(cache.k.shape[2])  # a row for every position the cache holds
-        return stack.forward(x, ids, cos, sin, positions, cache.k_stored, cache.v, cache.length, visible,
+        cos, sin = self.rope_table(cache.max_len)  # a row for every position the cache holds
+        return stack.forward(x, ids, cos, sin, positions, cache.k, cache.v, cache.length, visible,
                              self.cfg.sliding_window or 0, -1 if logits_from is None else logits_from)
 
     def logits(self, hidden: Tensor) -> Tensor:

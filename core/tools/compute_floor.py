@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from core.runtime.kernels import cpu
+from core.runtime.kv_cache import tile_keys
 from core.runtime.model import Transformer
 from core.runtime.weights import COLS, NativeLinear, PackedWeight
 
@@ -75,7 +76,7 @@ def attention_seconds(model: Transformer, n: int, repeats: int = 15) -> float:
     h, g, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     slots = max(ATTENTION_KEYS) + n
     dtype = model.cache_dtype
-    keys = torch.randn(h, d, slots).to(dtype).transpose(1, 2)  # stored transposed, as the cache holds them
+    keys = tile_keys(torch.randn(h, slots, d).to(dtype))  # in tiles, as the cache holds them
     values = torch.randn(h, slots, d).to(dtype)
     q = torch.randn(h, g * n, d)
     block = torch.ones(n, n, dtype=torch.bool).tril_() if n > 1 else None

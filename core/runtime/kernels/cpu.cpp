@@ -756,10 +756,21 @@ inline float max_of(const float* v, int64_t n) {
 // order. A row's result depends only on its query and its logical key sequence.
 
 constexpr int64_t kChunk = 256;
-// Keys and values are prefetched into L2 (prefetcht1), not L1: a core has few L1 misses in flight, and the many
-// strided streams of transposed keys ran at a fraction of the memory's rate while waiting on them.
+// Keys and values are prefetched into L2 (prefetcht1), not L1: a core has few L1 misses in flight, and streams
+// that waited on them ran at a fraction of the memory's rate.
 constexpr int kCacheToL2 = 2;
-constexpr int64_t kTile = 64;  // keys per score tile
+constexpr int64_t kTile = 64;  // keys per score tile, and per tile of the cache's keys
+
+// The cache stores each head's keys tile-major, [S / kTile, D, kTile]: a tile holds its kTile keys' D elements,
+// element j of all of them together (so a score tile vectorises along the keys), in one contiguous block (8 KB of
+// bf16 at D = 64): a single stream, which the memory system follows at its full rate, where keys transposed over the
+// whole cache ([D, S]) made each of a tile's D rows a stream of its own. Element j of the key in `slot` sits at
+// key_offset(slot, D) + j * kTile among its head's keys.
+inline int64_t key_offset(int64_t slot, int64_t D) { return slot / kTile * (D * kTile) + slot % kTile; }
+
+// Keys are fetched this many bytes ahead of the tile being multiplied: two tiles of bf16, one of fp32.
+template <typename E>
+constexpr int64_t kKeyTilesAhead = 4 / sizeof(E);
 
 #if defined(__AVX512F__)
 // round_bf16 on 16 floats' bits.
@@ -896,12 +907,10 @@ bool set_bf16_dots(bool on) {
 
 constexpr int64_t kRowBlock = 6;  // the most rows a score or value tile takes at once
 
-// Scores of RB rows for kTile keys stored transposed (kt[j * ks + l]): per key an fma chain over j, in order (in
-// pairs, odd first, with Pairs). `next` (or null): keys of the same layout (stride nks) fetched meanwhile, a row of
-// kTile per row multiplied.
+// Scores of RB rows for the first `width` of a tile's kTile keys (kt[j * kTile + l]): per key an fma chain over j,
+// in order (in pairs, odd first, with Pairs). `next` (or null): a tile fetched meanwhile, spread over the multiplies.
 template <int RB, int D, typename E, bool Pairs>
-inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
-                       const E* next, int64_t nks) {
+inline void score_tile(const float* q, const E* kt, int64_t width, float* p, int64_t ldp, const E* next) {
   constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // AVX2: 8 W keys at a time with every accumulator in a register (RB W of the 16: 4 vectors a row up to 3 rows,
@@ -920,9 +929,9 @@ inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, f
       if (next != nullptr) {
         const int64_t step = l0 / (8 * W) * D + jj;
         for (int64_t u = step * lines / steps; u < (step + 1) * lines / steps; ++u)
-          __builtin_prefetch(next + u % D * nks + u / D * line, 0, kCacheToL2);
+          __builtin_prefetch(next + u * line, 0, kCacheToL2);
       }
-      fma_tile<RB, W>(acc, kt + j * ks + l0, [&](int r) { return q[r * D + j]; });
+      fma_tile<RB, W>(acc, kt + j * kTile + l0, [&](int r) { return q[r * D + j]; });
     }
     const int64_t keep = std::min<int64_t>(8 * W, width - l0);
     for (int r = 0; r < RB && keep > 0; ++r) {
@@ -939,9 +948,9 @@ inline void score_tile(const float* q, const E* kt, int64_t ks, int64_t width, f
     for (int l = 0; l < kTile; ++l) acc[r][l] = 0.0f;
   for (int jj = 0; jj < D; ++jj) {
     const int j = Pairs ? jj ^ 1 : jj;
-    const float* kj = widened(kt + j * ks, kTile, wide);
+    const float* kj = widened(kt + j * kTile, kTile, wide);
     if (next != nullptr)
-      for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(next + j * nks + l, 0, kCacheToL2);
+      for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(next + j * kTile + l, 0, kCacheToL2);
     for (int r = 0; r < RB; ++r) {
       const float qj = q[r * D + j];
 #pragma omp simd
@@ -987,20 +996,20 @@ inline int32_t bf16_pair(const float* x) {
 // 2i + 1 of the tile are interleaved into (k[2i], k[2i+1]) pairs per key, the keys then in the lanes' order
 // 0-3, 8-11, .. (unpacklo) and 4-7, 12-15, .. (unpackhi), put back in order when stored.
 template <int RB, int D>
-inline void score_tile_bf16(const int32_t* qp, const uint16_t* kt, int64_t ks, int64_t width, float* p, int64_t ldp,
-                            const uint16_t* next, int64_t nks) {
+inline void score_tile_bf16(const int32_t* qp, const uint16_t* kt, int64_t width, float* p, int64_t ldp,
+                            const uint16_t* next) {
   __m512 acc[RB][4];  // (every index below a constant once unrolled: the accumulators stay in registers)
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int i = 0; i < D / 2; ++i) {
-    const uint16_t* even = kt + 2 * i * ks;
-    const uint16_t* odd = even + ks;
+    const uint16_t* even = kt + 2 * i * kTile;
+    const uint16_t* odd = even + kTile;
     if (next != nullptr)
       for (int j = 0; j < 2; ++j) {
-        __builtin_prefetch(next + (2 * i + j) * nks, 0, kCacheToL2);
-        __builtin_prefetch(next + (2 * i + j) * nks + 32, 0, kCacheToL2);
+        __builtin_prefetch(next + (2 * i + j) * kTile, 0, kCacheToL2);
+        __builtin_prefetch(next + (2 * i + j) * kTile + 32, 0, kCacheToL2);
       }
     __m512bh k[4];
     pairs_of(even, odd, k);
@@ -1039,6 +1048,11 @@ inline void for_row_blocks(int64_t R, Tile tile) {
 // are harmless). Several rows' tiles take long enough per value row that half this left memory idle at long contexts.
 template <typename E>
 constexpr int64_t kValuesAhead = 32 * 4 / sizeof(E);
+
+// Keys whose values (at most 16 KB of them as fp32, a multiple of 16 keys) the AVX2 and portable value tiles take
+// at a time.
+template <int D>
+constexpr int64_t kValueKeys = std::max<int64_t>(16, 4096 / D / 16 * 16);
 
 constexpr int64_t kRegRows = 24;  // the most rows a register tile takes (below); the padding past the last
 constexpr int64_t kWideRows = 6;  // the most rows that take 4 vectors each in a register tile
@@ -1082,12 +1096,10 @@ inline void for_register_blocks(int64_t R, F f) {
   }
 }
 
-// Bytes ahead of a key or value row that the tiles prefetch: far enough for the cache's latency.
-constexpr int64_t kRegAhead = 256;
-
-// Scores of RB rows (the first `valid` stored) for `width` <= 16 W keys stored transposed (kt[j * ks + l]).
+// Scores of RB rows (the first `valid` stored) for `width` <= 16 W keys of a tile (kt[j * kTile + l]); the same keys'
+// place kKeyTilesAhead tiles on is fetched meanwhile.
 template <int RB, int W, int D, typename E, bool Pairs>
-inline void score_rows(const float* q, const E* kt, int64_t ks, int64_t width, float* p, int64_t ldp, int64_t valid) {
+inline void score_rows(const float* q, const E* kt, int64_t width, float* p, int64_t ldp, int64_t valid) {
   __mmask16 m[W];
   for (int w = 0; w < W; ++w)
     m[w] = static_cast<__mmask16>((1u << std::clamp<int64_t>(width - 16 * w, 0, 16)) - 1);
@@ -1098,11 +1110,12 @@ inline void score_rows(const float* q, const E* kt, int64_t ks, int64_t width, f
     for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
   for (int jj = 0; jj < D; ++jj) {
     const int j = Pairs ? jj ^ 1 : jj;
-    for (int64_t b = 0; b < 16 * W * static_cast<int64_t>(sizeof(E)); b += 64)  // each line of the tile's row
-      __builtin_prefetch(reinterpret_cast<const char*>(kt + j * ks) + kRegAhead + b, 0, kCacheToL2);
+    const E* ahead = kt + kKeyTilesAhead<E> * D * kTile + j * kTile;
+    for (int64_t b = 0; b < 16 * W * static_cast<int64_t>(sizeof(E)); b += 64)  // each line of that row
+      __builtin_prefetch(reinterpret_cast<const char*>(ahead) + b, 0, kCacheToL2);
     __m512 k[W];
 #pragma GCC unroll 4
-    for (int w = 0; w < W; ++w) k[w] = load16(kt + j * ks + 16 * w, m[w]);
+    for (int w = 0; w < W; ++w) k[w] = load16(kt + j * kTile + 16 * w, m[w]);
 #pragma GCC unroll 24
     for (int r = 0; r < RB; ++r) {
       const __m512 qj = _mm512_set1_ps(q[r * D + j]);
@@ -1147,21 +1160,21 @@ inline void value_rows(const float* w, int64_t ldw, const E* v, int64_t n, float
       if (r < valid) _mm512_storeu_ps(acc + r * D + d0 + 16 * x, a[r][x]);
 }
 
-// scores() on the register tiles: R rows (q padded by kRegRows rows past them) for n keys from slot s0 on.
+// The scores of R rows (q padded by kRegRows rows past them) for the first `width` keys of a tile, on the register
+// tiles: 64 keys at a time for a few rows, else 16.
 template <int D, typename E>
-void scores_in_registers(const float* q, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p,
-                         int64_t ldp, bool pairs) {
+void tile_in_registers(const float* q, int64_t R, const E* kt, int64_t width, float* p, int64_t ldp, bool pairs) {
+  static_assert(kTile % 64 == 0, "tile_in_registers: whole register tiles in a cache tile");
   const int64_t tile = R <= kWideRows ? 64 : 16;  // keys per tile: for_register_blocks' vectors per row, 16 each
-  for (int64_t t0 = 0; t0 < n; t0 += tile) {
-    const int64_t width = std::min(tile, n - t0);
+  for (int64_t t0 = 0; t0 < width; t0 += tile) {
+    const int64_t keys = std::min(tile, width - t0);
     for_register_blocks(R, [&](auto rows, auto wide, int64_t r, int64_t valid) {
       constexpr int RB = decltype(rows)::value, W = decltype(wide)::value;
-      const E* src = kt + s0 + t0;
       float* out = p + r * ldp + t0;
       if constexpr (kPairs<E>) {
-        if (pairs) return score_rows<RB, W, D, E, true>(q + r * D, src, ks, width, out, ldp, valid);
+        if (pairs) return score_rows<RB, W, D, E, true>(q + r * D, kt + t0, keys, out, ldp, valid);
       }
-      score_rows<RB, W, D, E, false>(q + r * D, src, ks, width, out, ldp, valid);
+      score_rows<RB, W, D, E, false>(q + r * D, kt + t0, keys, out, ldp, valid);
     });
   }
 }
@@ -1186,36 +1199,40 @@ void values_in_registers(const float* w, int64_t ldw, const E* v, int64_t n, int
 }
 #endif
 
-// Scores of R rows for n keys from slot s0 on (p[r * ldp + l]); a last partial tile goes through a zero-padded copy.
-// With `pairs`, q holds bf16 values and qp (on vdpbf16ps) the same rows as bf16 pairs.
+// Scores of R rows for n keys from slot s0 on (p[r * ldp + l]) of one head's keys (kt, tile-major: key_offset),
+// a tile at a time. A tile is read where it lies, whatever its slots past the n keys hold (their scores are dropped);
+// keys from a slot inside a tile (a block's, after `past`) are gathered into a tile first. With `pairs`, q holds bf16
+// values and qp (on vdpbf16ps) the same rows as bf16 pairs.
 template <int D, typename E>
-void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t ks, int64_t s0, int64_t n, float* p,
+void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t s0, int64_t n, float* p,
             int64_t ldp, bool pairs) {
-#if defined(__AVX512F__)
-  if (!pairs || qp == nullptr) return scores_in_registers<D, E>(q, R, kt, ks, s0, n, p, ldp, pairs);
-#endif
   E pad[D * kTile];
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int64_t width = std::min(kTile, n - t0);
-    const E* src = kt + s0 + t0;
-    int64_t stride = ks;
-    if (width < kTile) {
+    const int64_t width = std::min(kTile, n - t0), slot = s0 + t0;
+    const E* src = kt + key_offset(slot, D);
+    if (slot % kTile != 0) {
       std::fill(pad, pad + D * kTile, E{});  // a zero, as fp32 or as bf16 bits
-      for (int j = 0; j < D; ++j) std::copy(src + j * ks, src + j * ks + width, pad + j * kTile);
+      for (int64_t l = 0; l < width; ++l) {
+        const E* key = kt + key_offset(slot + l, D);
+        for (int j = 0; j < D; ++j) pad[j * kTile + l] = key[j * kTile];
+      }
       src = pad;
-      stride = kTile;
     }
-    // The next tile's keys (D rows of kTile floats, each its own stream; past the last tile, the next chunk's: a
-    // thread's next task) are fetched while this one is multiplied, spread over its rows: the hardware prefetcher
-    // follows too few streams at once to have them in time, and a burst of them all waits on the misses in flight.
-    // bf16 keys look as many bytes ahead: two tiles.
-    const E* next = kt + s0 + t0 + kTile * (4 / sizeof(E));
+    // Tiles ahead (past this head's last, the next head's first: a thread's next task) are fetched while this one is
+    // multiplied, spread over its rows: a burst of them all waits on the misses in flight.
+    const E* next = kt + key_offset(slot - slot % kTile, D) + kKeyTilesAhead<E> * D * kTile;
+#if defined(__AVX512F__)
+    if (!pairs || qp == nullptr) {
+      tile_in_registers<D, E>(q, R, src, width, p + t0, ldp, pairs);
+      continue;
+    }
+#endif
 #if defined(__AVX512BF16__)
     if constexpr (kPairs<E>) {
       if (pairs && qp != nullptr) {
         for_row_blocks(R, [&](auto rows, int64_t r) {
-          score_tile_bf16<decltype(rows)::value, D>(qp + r * (D / 2), src, stride, width, p + r * ldp + t0, ldp,
-                                                    r == 0 ? next : nullptr, ks);
+          score_tile_bf16<decltype(rows)::value, D>(qp + r * (D / 2), src, width, p + r * ldp + t0, ldp,
+                                                    r == 0 ? next : nullptr);
         });
         continue;
       }
@@ -1223,23 +1240,21 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t k
 #endif
     if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 keys widened once for all
       float wide[D * kTile];
-      for (int j = 0; j < D; ++j) {
-        for (int64_t l = 0; l < kTile; l += 64 / sizeof(E)) __builtin_prefetch(next + j * ks + l, 0, kCacheToL2);
-        widened(src + j * stride, kTile, wide + j * kTile);
-      }
+      for (int64_t l = 0; l < D * kTile; l += 64 / sizeof(E)) __builtin_prefetch(next + l, 0, kCacheToL2);
+      widened(src, D * kTile, wide);
       for_row_blocks(R, [&](auto rows, int64_t r) {
         constexpr int RB = decltype(rows)::value;
         float* out = p + r * ldp + t0;
-        pairs ? score_tile<RB, D, float, true>(q + r * D, wide, kTile, width, out, ldp, nullptr, 0)
-              : score_tile<RB, D, float, false>(q + r * D, wide, kTile, width, out, ldp, nullptr, 0);
+        pairs ? score_tile<RB, D, float, true>(q + r * D, wide, width, out, ldp, nullptr)
+              : score_tile<RB, D, float, false>(q + r * D, wide, width, out, ldp, nullptr);
       });
       continue;
     }
     for_row_blocks(R, [&](auto rows, int64_t r) {
       constexpr int RB = decltype(rows)::value;
       const E* ahead = r == 0 ? next : nullptr;
-      pairs ? score_tile<RB, D, E, true>(q + r * D, src, stride, width, p + r * ldp + t0, ldp, ahead, ks)
-            : score_tile<RB, D, E, false>(q + r * D, src, stride, width, p + r * ldp + t0, ldp, ahead, ks);
+      pairs ? score_tile<RB, D, E, true>(q + r * D, src, width, p + r * ldp + t0, ldp, ahead)
+            : score_tile<RB, D, E, false>(q + r * D, src, width, p + r * ldp + t0, ldp, ahead);
     });
   }
 }
@@ -1426,7 +1441,7 @@ struct Attention {
 
   const int32_t* query_pairs(int64_t h) const { return qp.empty() ? nullptr : &qp[h * R * D / 2]; }
 
-  void tasks(int64_t begin, int64_t end, const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh) {
+  void tasks(int64_t begin, int64_t end, const E* kp, int64_t kh, const E* vp, int64_t vh) {
     static thread_local std::vector<float> p, block, wide;
     static thread_local std::vector<int32_t> wp;  // p's rows as bf16 pairs (softmax_chunk), for vdpbf16ps
     p.resize((R + kRegRows) * kChunk);
@@ -1441,9 +1456,9 @@ struct Attention {
       for (int64_t i = 0; i < std::min(shared, kValuesAhead<E>) * D; i += 64 / sizeof(E))
         __builtin_prefetch(vp + h * vh + c0 * D + i, 0, kCacheToL2);
       if (shared > 0)
-        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, ks, c0, shared, p.data(), kChunk, pairs);
+        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, c0, shared, p.data(), kChunk, pairs);
       if (c1 > past)  // every row's scores for every key of the block (slots past .. past + n - 1)
-        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, ks, past, n, block.data(), n, pairs);
+        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, past, n, block.data(), n, pairs);
       float* mx = &part_max[task * R];
       float* sum = &part_sum[task * R];
       float* acc = &part_acc[task * R * D];
@@ -1495,19 +1510,28 @@ struct Attention {
 #if defined(__AVX512F__)
         values_in_registers<D, E>(p.data(), kChunk, vc, common, R, acc, pairs);
 #else
-        if (kPairs<E> && R > kRowBlock) {  // several row blocks: values widened once for all
-          wide.resize(kChunk * D);
-          widened(vc, common * D, wide.data());
+        // kValueKeys keys at a time, whose values stay in L1 through every row block's passes over them (a row's
+        // sums go on, in order, from block to block); with several row blocks, bf16 values widened once for all
+        for (int64_t l0 = 0; l0 < common; l0 += kValueKeys<D>) {
+          const int64_t m = std::min(kValueKeys<D>, common - l0);
+          if (kPairs<E> && R > kRowBlock) {
+            wide.resize(kValueKeys<D> * D);
+            widened(vc + l0 * D, m * D, wide.data());
+            for (int64_t i = 0; i < kValueKeys<D> * D; i += 64 / sizeof(E))  // the next block's, meanwhile
+              __builtin_prefetch(vc + (l0 + m) * D + i, 0, kCacheToL2);
+            for_row_blocks(R, [&](auto rows, int64_t r) {
+              constexpr int RB = decltype(rows)::value;
+              const float* w = &p[r * kChunk + l0];
+              pairs ? value_tile<RB, D, float, true>(w, kChunk, wide.data(), m, acc + r * D)
+                    : value_tile<RB, D, float, false>(w, kChunk, wide.data(), m, acc + r * D);
+            });
+            continue;
+          }
           for_row_blocks(R, [&](auto rows, int64_t r) {
             constexpr int RB = decltype(rows)::value;
-            pairs ? value_tile<RB, D, float, true>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D)
-                  : value_tile<RB, D, float, false>(&p[r * kChunk], kChunk, wide.data(), common, acc + r * D);
-          });
-        } else {
-          for_row_blocks(R, [&](auto rows, int64_t r) {
-            constexpr int RB = decltype(rows)::value;
-            pairs ? value_tile<RB, D, E, true>(&p[r * kChunk], kChunk, vc, common, acc + r * D)
-                  : value_tile<RB, D, E, false>(&p[r * kChunk], kChunk, vc, common, acc + r * D);
+            const float* w = &p[r * kChunk + l0];
+            pairs ? value_tile<RB, D, E, true>(w, kChunk, vc + l0 * D, m, acc + r * D)
+                  : value_tile<RB, D, E, false>(w, kChunk, vc + l0 * D, m, acc + r * D);
           });
         }
 #endif
@@ -1562,22 +1586,22 @@ struct Attention {
   // The whole of it for one layer (every query given): each row's result to out (see merge), over `team`'s threads
   // or at::parallel_for's.
   template <typename Out>
-  void run(const E* kp, int64_t kh, int64_t ks, const E* vp, int64_t vh, const Out& out, const Team* team) {
+  void run(const E* kp, int64_t kh, const E* vp, int64_t vh, const Out& out, const Team* team) {
     run_parts(team, [&](int64_t i, int64_t parts) { return cost_part(cost, i, parts); },
-              [&](int64_t b, int64_t e) { tasks(b, e, kp, kh, ks, vp, vh); });
+              [&](int64_t b, int64_t e) { tasks(b, e, kp, kh, vp, vh); });
     run_parts(team, [&](int64_t i, int64_t parts) { return equal_part(H * R, i, parts); },
               [&](int64_t b, int64_t e) { merge(b, e, out); });
   }
 };
 
 template <int D, typename E>
-void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int64_t kh, int64_t ks,
-              const E* vp, int64_t vh, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
-              float scale, bool bf16_products, float* out) {
+void attend_d(const float* q, int64_t H, int64_t G, int64_t n, const E* kp, int64_t kh, const E* vp, int64_t vh,
+              int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window, float scale,
+              bool bf16_products, float* out) {
   Attention<D, E> a(H, G, n, past, anc, window, scale, bf16_products);
   for (int64_t hq = 0; hq < H * G; ++hq)
     for (int64_t i = 0; i < n; ++i) a.query(hq, i, q + (hq * n + i) * D);
-  a.run(kp, kh, ks, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
+  a.run(kp, kh, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
     std::copy(o, o + D, out + (hq * n + i) * D);
   }, nullptr);
 }
@@ -1621,13 +1645,16 @@ template <typename E>
 void attend_into(const float* q, int64_t H, int64_t G, int64_t n, int64_t D, const torch::Tensor& k,
                  const torch::Tensor& v, int64_t past, const std::vector<std::vector<int64_t>>& anc, int64_t window,
                  float scale, bool bf16_products, float* out) {
-  TORCH_CHECK(k.stride(1) == 1 && v.stride(2) == 1 && v.stride(1) == D, "attend: keys stored transposed, values by row");
-  TORCH_CHECK(k.size(1) >= past + n && v.size(1) >= past + n, "attend: the cache holds fewer slots than past + n");
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == H && k.size(2) == D && k.size(3) == kTile && k.is_contiguous(),
+              "attend: keys in tiles [H_kv, S / ", kTile, ", D, ", kTile, "]");
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == H && v.stride(2) == 1 && v.stride(1) == D, "attend: values by row");
+  TORCH_CHECK(k.size(1) * kTile >= past + n && v.size(1) >= past + n,
+              "attend: the cache holds fewer slots than past + n");
   const E* kp = static_cast<const E*>(k.data_ptr());
   const E* vp = static_cast<const E*>(v.data_ptr());
   with_head_size(D, "attend", [&](auto d) {
-    attend_d<decltype(d)::value, E>(q, H, G, n, kp, k.stride(0), k.stride(2), vp, v.stride(0), past, anc, window,
-                                    scale, bf16_products, out);
+    attend_d<decltype(d)::value, E>(q, H, G, n, kp, k.stride(0), vp, v.stride(0), past, anc, window, scale,
+                                    bf16_products, out);
   });
 }
 
@@ -2410,11 +2437,11 @@ torch::Tensor linear(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tenso
   return out;
 }
 
-// Attention of q [H_kv, G * n, D] for n new tokens over k [H_kv, S, D] (stored transposed) and v [H_kv, S, D], fp32 or
-// bf16 (see attend_d).
+// Attention of q [H_kv, G * n, D] for n new tokens over keys k [H_kv, S / kTile, D, kTile] (tiles: key_offset) and
+// values v [H_kv, S, D], fp32 or bf16 (see attend_d).
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, int64_t past, torch::Tensor vis,
                      int64_t window, double scale, bool bf16_products) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q, k, v must be 3-D");
+  TORCH_CHECK(q.dim() == 3, "attend: q must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: float32 queries");
   q = q.contiguous();
   const int64_t H = q.size(0), D = q.size(2);
@@ -2448,12 +2475,13 @@ torch::Tensor silu_gate_rows(torch::Tensor gu, bool bf16) {
 // A whole decoder stack over n new tokens, in place on x [n, hidden]: per layer RMSNorm, the fused QKV projection,
 // rotary embedding, the new keys and values written into the cache at slots past .. past + n - 1, attention, the
 // output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
-// residual. kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] are the cache's buffers (fp32 or bf16); `norm_w`
-// holds two norms' weights per layer and `Ls` four linear layers per layer (qkv, o, gate/up, down), found and
-// checked when the stack was bound (Stack), so nothing in the parallel region may throw. With `bf16` the stack
-// rounds to bf16 where a bf16 model does (round_bf16), x, cos and sin holding bf16 values. Token i's rotary rows are
-// rows pos[i] of cos and sin. With `head`, the final norm (weights final_w) and the lm_head of the rows from `first`
-// on follow in the same threads, into logits [n - first, head->n] (rounded to bf16 with head_bf16).
+// residual. kc [layers, H_kv, S / kTile, D, kTile] (tiles: key_offset) and vc [layers, H_kv, S, D] are the cache's
+// buffers (fp32 or bf16); `norm_w` holds two norms' weights per layer and `Ls` four linear layers per layer (qkv, o,
+// gate/up, down), found and checked when the stack was bound (Stack), so nothing in the parallel region may throw.
+// With `bf16` the stack rounds to bf16 where a bf16 model does (round_bf16), x, cos and sin holding bf16 values.
+// Token i's rotary rows are rows pos[i] of cos and sin. With `head`, the final norm (weights final_w) and the
+// lm_head of the rows from `first` on follow in the same threads, into logits [n - first, head->n] (rounded to bf16
+// with head_bf16).
 template <int D, typename E>
 void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int64_t* pos, torch::Tensor kc,
                 torch::Tensor vc, int64_t past, torch::Tensor vis, int64_t window,
@@ -2462,16 +2490,17 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
                 bool head_bf16, float* logits) {
   const int64_t n = x.size(0), H = x.size(1), layers = static_cast<int64_t>(norm_w.size()) / 2;
   const int64_t G = n_heads / n_kv, q_dim = n_heads * D, kv_dim = n_kv * D, ld = q_dim + 2 * kv_dim;
-  TORCH_CHECK(kc.size(0) >= layers && kc.size(3) >= past + n && vc.size(2) >= past + n, "decoder: cache too small");
-  TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1 && vc.stride(2) == D,
-              "decoder: keys stored transposed, values by row");
+  TORCH_CHECK(kc.dim() == 5 && kc.size(3) == D && kc.size(4) == kTile && kc.is_contiguous() && vc.dim() == 4 &&
+              vc.stride(3) == 1 && vc.stride(2) == D, "decoder: keys in tiles, values by row");
+  TORCH_CHECK(kc.size(0) >= layers && kc.size(2) * kTile >= past + n && vc.size(2) >= past + n,
+              "decoder: cache too small");
   auto cs = cos.contiguous(), sn = sin.contiguous();
   const float* cp = cs.data_ptr<float>();
   const float* sp = sn.data_ptr<float>();
   const auto anc = ancestors(vis, n);
   E* kbase = static_cast<E*>(kc.data_ptr());
   E* vbase = static_cast<E*>(vc.data_ptr());
-  const int64_t kh = kc.stride(1), ks = kc.stride(2), vh = vc.stride(1);
+  const int64_t kh = kc.stride(1), vh = vc.stride(1);
   const int64_t inter = Ls[2].n / 2;
   float* xp = x.data_ptr<float>();
   std::vector<float> h(n * H), qkv(n * ld), att(n * q_dim), gu(n * 2 * inter), act(n * inter);
@@ -2534,13 +2563,13 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
                     const float* v = row + q_dim + kv_dim + hd * D;
                     rope_head(k, D, cp + pos[i] * D, sp + pos[i] * D, bf16);
                     for (int64_t j = 0; j < D; ++j) {
-                      put(&kp[hd * kh + j * ks + past + i], k[j]);
+                      put(&kp[hd * kh + key_offset(past + i, D) + j * kTile], k[j]);
                       put(&vp[hd * vh + (past + i) * D + j], v[j]);
                     }
                   }
                 });
       const bool quantize_att = quantized(L[1].fmt);
-      attention.run(kp, kh, ks, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
+      attention.run(kp, kh, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
         float* a = &att[i * q_dim + hq * D];
         for (int64_t j = 0; j < D; ++j) a[j] = store(o[j], bf16);
         if (quantize_att && whole_blocks) quantize_columns(att.data(), i, hq * D, (hq + 1) * D, xq[1]);
@@ -2622,10 +2651,10 @@ class Stack {
 
   // The stack over n new tokens: their embeddings looked up in the table when `tokens` holds their ids (else given
   // as x [n, hidden]); token i's rotary rows are rows positions[i] of cos and sin [P, head_dim]; keys and values
-  // written into kc [layers, H_kv, D, S] and vc [layers, H_kv, S, D] at slots past ..; new token i sees new token j
-  // where vis[i][j] (empty: causally); `window` a sliding window (0: none). Returns the hidden states [n, hidden] (x,
-  // where given) and, with `first` >= 0, the logits [n - first, outputs] of the rows from `first` on: the final
-  // norm and the lm_head in the same threads.
+  // written into kc [layers, H_kv, S / kTile, D, kTile] and vc [layers, H_kv, S, D] at slots past ..; new token i
+  // sees new token j where vis[i][j] (empty: causally); `window` a sliding window (0: none). Returns the hidden
+  // states [n, hidden] (x, where given) and, with `first` >= 0, the logits [n - first, outputs] of the rows from
+  // `first` on: the final norm and the lm_head in the same threads.
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor tokens, torch::Tensor cos, torch::Tensor sin,
                                      torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, int64_t past,
                                      torch::Tensor vis, int64_t window, int64_t first) const {
@@ -2673,35 +2702,41 @@ class Stack {
 };
 
 // The kept rows of a verified block moved into place in the cache, in every layer and head: row d of the block from
-// slot start + rows[d] to slot start + d, rows increasing (so no source is overwritten before it is read). k and v
-// are [layers, H_kv, S, D] views of any strides (keys stored transposed).
-template <typename E>
-void keep_rows_of(const torch::Tensor& t, int64_t start, const std::vector<int64_t>& rows) {
-  TORCH_CHECK(t.dim() == 4, "keep_rows: [layers, H_kv, S, D]");
-  TORCH_CHECK(rows.empty() || start + rows.back() < t.size(2), "keep_rows: a row past the cache");
-  E* p = static_cast<E*>(t.data_ptr());
-  const int64_t sl = t.stride(0), sh = t.stride(1), ss = t.stride(2), sd = t.stride(3);
-  // the block's slots of one element share a cache line or two where keys are stored transposed: all rows are
-  // moved per element, so each line is fetched once. The lines lie far apart and cold, so both threads fetch them.
-  const int64_t L = t.size(0), H = t.size(1), D = t.size(3);
+// slot start + rows[d] to slot start + d, rows increasing (so no source is overwritten before it is read). A row's
+// element j of head h in layer l lies at at(l, h, slot) + j * step: [layers, H_kv, S, D] values (step 1), or keys
+// in tiles (step kTile).
+template <typename E, typename At>
+void move_rows(E* p, int64_t L, int64_t H, int64_t D, int64_t step, int64_t start, const std::vector<int64_t>& rows,
+               At at) {
+  // a block's slots of one element share a cache line or two in a tile of keys: all rows are moved per element, so
+  // each line is fetched once. The lines lie far apart and cold, so both threads fetch them.
   const int threads = at::get_num_threads();
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t l = 0; l < L; ++l)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < D; ++j) {
-        E* base = p + l * sl + h * sh + j * sd + start * ss;
+      for (int64_t j = 0; j < D; ++j)
         for (size_t d = 0; d < rows.size(); ++d)
-          if (rows[d] != static_cast<int64_t>(d)) base[static_cast<int64_t>(d) * ss] = base[rows[d] * ss];
-      }
+          if (rows[d] != static_cast<int64_t>(d))
+            p[at(l, h, start + static_cast<int64_t>(d)) + j * step] = p[at(l, h, start + rows[d]) + j * step];
 }
 
-void keep_rows(torch::Tensor k, torch::Tensor v, int64_t start, std::vector<int64_t> rows) {
+// keep_rows over the cache's keys kc [layers, H_kv, S / kTile, D, kTile] and values vc [layers, H_kv, S, D].
+void keep_rows(torch::Tensor kc, torch::Tensor vc, int64_t start, std::vector<int64_t> rows) {
   TORCH_CHECK(rows.empty() || rows[0] >= 0, "keep_rows: a row before the block");
   for (size_t d = 1; d < rows.size(); ++d)
     TORCH_CHECK(rows[d] > rows[d - 1], "keep_rows: rows must increase");
-  with_cache_type(k, v, "keep_rows", [&](auto c) {
-    keep_rows_of<decltype(c)>(k, start, rows);
-    keep_rows_of<decltype(c)>(v, start, rows);
+  TORCH_CHECK(kc.dim() == 5 && kc.size(4) == kTile && kc.is_contiguous() && vc.dim() == 4 && vc.is_contiguous(),
+              "keep_rows: keys in tiles, values by row");
+  TORCH_CHECK(rows.empty() || (start + rows.back() < kc.size(2) * kTile && start + rows.back() < vc.size(2)),
+              "keep_rows: a row past the cache");
+  const int64_t L = vc.size(0), H = vc.size(1), D = vc.size(3);
+  with_cache_type(kc, vc, "keep_rows", [&](auto c) {
+    using E = decltype(c);
+    const int64_t kl = kc.stride(0), kh = kc.stride(1), vl = vc.stride(0), vh = vc.stride(1);
+    move_rows(static_cast<E*>(kc.data_ptr()), L, H, D, kTile, start, rows,
+              [&](int64_t l, int64_t h, int64_t slot) { return l * kl + h * kh + key_offset(slot, D); });
+    move_rows(static_cast<E*>(vc.data_ptr()), L, H, D, 1, start, rows,
+              [&](int64_t l, int64_t h, int64_t slot) { return l * vl + h * vh + slot * D; });
   });
 }
 

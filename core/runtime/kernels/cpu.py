@@ -46,10 +46,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, bf16: bool = False) -> Tenso
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, n: int, past: int, visible: Tensor | None, window: int | None,
            scale: float, bf16_products: bool = True) -> Tensor:
-    """Attention of q [H_kv, G * n, D] (row g * n + i: query head g of the KV head, token i of n) over keys and
-    values [H_kv, S, D] (fp32 or bf16; keys stored transposed): `past` committed keys, then the n new ones in slots
-    past .. past + n - 1, token i seeing new token j where visible[i, j] (None: causally). Each row reduces over its
-    keys in logical order, so its result is the one a single-token step at its position gives. Over bf16 keys and
-    values `bf16_products` takes the scaled query and the values' weights in bf16 too (cpu.cpp: kPairs)."""
+    """Attention of q [H_kv, G * n, D] (row g * n + i: query head g of the KV head, token i of n) over keys in tiles
+    [H_kv, S / 64, D, 64] (kv_cache.tile_keys) and values [H_kv, S, D], fp32 or bf16: `past` committed keys, then
+    the n new ones in slots past .. past + n - 1, token i seeing new token j where visible[i, j] (None: causally).
+    Each row reduces over its keys in logical order, so its result is the one a single-token step at its position
+    gives. Over bf16 keys and values `bf16_products` takes the scaled query and the values' weights in bf16 too
+    (cpu.cpp: kPairs)."""
     empty = q.new_empty(0, dtype=torch.bool) if visible is None else visible.contiguous()
     return kernel().attend(q, keys, values, n, past, empty, window or 0, scale, bf16_products)
