@@ -79,6 +79,12 @@ def key_slots(keys: Tensor, start: int, end: int) -> Tensor:
     return untile_keys(keys[:, t0:-(-end // KEY_TILE)])[:, start - t0 * KEY_TILE:end - t0 * KEY_TILE]
 
 
+def attended_keys(keys: Tensor, end: int) -> Tensor:
+    """The keys of one layer that attention over slots [0, end) reads: all its tiles (the kernel takes them whole),
+    or its slots up to `end`."""
+    return keys if keys.dim() == 4 else keys[:, :end]
+
+
 def put_key_slots(keys: Tensor, start: int, new: Tensor) -> None:
     """Write new [kv_heads, n, d] into slots start .. start + n - 1 of one layer's keys, a tile at a time."""
     if keys.dim() == 3:
@@ -156,7 +162,7 @@ class KVCache:
         end = self.length + k.shape[1]
         put_key_slots(self.k[layer], self.length, k)
         self.v[layer, :, self.length:end] = v
-        return self.k[layer] if self.tiled else self.k[layer, :, :end], self.v[layer, :, :end]
+        return attended_keys(self.k[layer], end), self.v[layer, :, :end]
 
     def keys(self) -> Tensor:
         """Every layer's keys as [layers, kv_heads, slots, d] (a copy where they are stored in tiles)."""
@@ -230,7 +236,6 @@ class PartialKVCache:
         self.slots = budget + 8
         self.k = key_buffer(n_layers, n_kv, self.slots, d, full.k.dtype, full.k.device)
         self.v = zeroed((n_layers, n_kv, self.slots, d), full.v.dtype, full.v.device)
-        self.tiled = self.k.dim() == 5
         self.selected_at: int | None = None  # full length at the last selection
         self.synced = 0  # full length up to which recent tokens were copied in
         self.selections = 0
@@ -281,7 +286,7 @@ class PartialKVCache:
                 self.selected_at, self.synced, self.selections = L, L, self.selections + 1
             else:
                 self.synced = L
-        return self.k[layer] if self.tiled else self.k[layer, :, :B + n], self.v[layer, :, :B + n]
+        return attended_keys(self.k[layer], B + n), self.v[layer, :, :B + n]
 
     def _select(self, layer: int, q: Tensor, L: int) -> None:
         keys = key_slots(self.full.k[layer], 0, L)  # [kv_heads, L, d]
