@@ -12,7 +12,8 @@ keys and values once, so it cannot take less than those bytes over the rate at w
 (timed between the forwards, as a sum over a buffer far larger than the caches; the median), and the share of that
 rate a one-token step achieves. A step near its floor leaves nothing to gain but reading fewer bytes; verifying more
 tokens per read is then all TokenSwift can add. Our kernels' rows also get each (L, n)'s compute floor, their
-arithmetic alone (compute_floor.py), and the least c(n) the two floors allow over the measured one-token step.
+arithmetic alone (compute_floor.py, timed between the forwards as the read rate is), and the least c(n) the two
+floors allow over the measured one-token step.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from core.generation.decoding import PREFILL_CHUNK
 from core.runtime.kv_cache import KVCache
 from core.runtime.loading import load_model
 from core.runtime.model import Transformer
-from core.tools.compute_floor import compute_floor
+from core.tools.compute_floor import ComputeFloor
 from core.tools.hardware import hardware, run_report
 from core.tools.roofline import ReadRate, step_bytes
 
@@ -70,9 +71,10 @@ def time_forward(forward: Callable[..., Any], cache: KVCache, context: int, n: i
 @torch.inference_mode()
 def measure(modes: dict[str, tuple[Transformer, Callable[..., Any]]], contexts: list[int], sizes: list[int],
             repeats: int, progress: Callable[[str], None] = lambda _: None,
-            read_rate: ReadRate | None = None) -> list[dict[str, Any]]:
-    """Median milliseconds per (mode, L, n); a mode is a model (whose cache it fills) and its forward. `read_rate`,
-    if given, samples the memory's read rate once per repeat, between the forwards."""
+            read_rate: ReadRate | None = None, arithmetic: ComputeFloor | None = None) -> list[dict[str, Any]]:
+    """Median milliseconds per (mode, L, n); a mode is a model (whose cache it fills) and its forward. `read_rate`
+    and `arithmetic`, if given, sample the memory's read rate and the kernels' arithmetic once per repeat, between
+    the forwards."""
     rows = []
     for context in contexts:
         progress(f"filling {context}-token caches")
@@ -95,6 +97,8 @@ def measure(modes: dict[str, tuple[Transformer, Callable[..., Any]]], contexts: 
             order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]  # rotate so drift hits every size alike
             if read_rate is not None:
                 read_rate.sample()
+            if arithmetic is not None:
+                arithmetic.sample(context)
             for n in order:
                 for name, (model, fwd) in (modes.items() if r % 2 == 0 else reversed(modes.items())):
                     times[(name, n)].append(time_forward(fwd, caches[name], context, n, model.cfg.vocab_size,
@@ -146,7 +150,7 @@ def markdown(rows: list[dict[str, Any]], arithmetic: list[dict[str, Any]] | None
 def least_vs_one(rows: list[dict[str, Any]], mode: str, memory: list[dict[str, Any]],
                  arithmetic: dict[tuple[int, int], float]) -> list[dict[str, Any]]:
     """Per (L, n): the compute floor's milliseconds, and the least c(n) `mode`'s kernels allow on this CPU: a forward
-    of n tokens takes at least its memory floor and at least its arithmetic (compute_floor), over the measured
+    of n tokens takes at least its memory floor and at least its arithmetic (ComputeFloor), over the measured
     one-token step."""
     out = []
     for (L, n), ms in sorted(arithmetic.items()):
@@ -196,23 +200,23 @@ def run_cost_curve(args: argparse.Namespace) -> int:
         torch_model = load_model(args.model, device=args.device, weights="fp32", native=False).model
         modes["torch fp32"] = (torch_model, lambda t, p, c, m: torch_model(t, p, c, m))
     read_rate = ReadRate() if engine.device.type == "cpu" else None
-    rows = measure(modes, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), read_rate)
-    floor = arithmetic = None
+    arithmetic = ComputeFloor(model, sizes) if model.native else None
+    rows = measure(modes, contexts, sizes, args.repeats, lambda s: print(s, file=sys.stderr), read_rate, arithmetic)
+    floor = least = None
     if read_rate is not None:
         bandwidth = read_rate.median()
         first = next(iter(modes))
         floor = {"mode": first, "read_gb_s": round(bandwidth / 1e9, 1),
                  "rows": memory_floor(model, rows, first, contexts, bandwidth)}
-        if model.native:
-            print("timing the kernels' arithmetic on inputs in the caches …", file=sys.stderr)
-            arithmetic = least_vs_one(rows, first, floor["rows"], compute_floor(model, contexts, sizes))
-    print(markdown(rows, arithmetic))
+        if arithmetic is not None:
+            least = least_vs_one(rows, first, floor["rows"], arithmetic.ms(contexts))
+    print(markdown(rows, least))
     if floor is not None:
         print("\n" + floor_line(floor))
     if args.json:
         report = {"command": args.command_line, "model": engine.loaded.name, "weights": engine.loaded.source,
                   "hardware": hardware(), "repeats": args.repeats, "rows": rows, "memory_floor": floor,
-                  "compute_floor": arithmetic}
+                  "compute_floor": least}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
