@@ -1238,7 +1238,10 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t s
       }
     }
 #endif
-    if (!std::is_same_v<E, float> && R > kRowBlock) {  // several row blocks: bf16 keys widened once for all
+#if !defined(__AVX2__)
+    // Plain C++, several row blocks: bf16 keys widened once for all of them. (AVX2's register tiles widen each key
+    // vector as they load it, for every row block: cheaper than a pass through memory.)
+    if (!std::is_same_v<E, float> && R > kRowBlock) {
       float wide[D * kTile];
       for (int64_t l = 0; l < D * kTile; l += 64 / sizeof(E)) __builtin_prefetch(next + l, 0, kCacheToL2);
       widened(src, D * kTile, wide);
@@ -1250,6 +1253,7 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t s
       });
       continue;
     }
+#endif
     for_row_blocks(R, [&](auto rows, int64_t r) {
       constexpr int RB = decltype(rows)::value;
       const E* ahead = r == 0 ? next : nullptr;
