@@ -88,11 +88,11 @@ class ComputeFloor:
         self.k = tile_keys(torch.randn(h, slots, self.head_dim).to(model.cache_dtype))  # in tiles, as cached
         self.v = torch.randn(h, slots, self.head_dim).to(model.cache_dtype)
         self.q = {n: torch.randn(h, g * n, self.head_dim) for n in sizes}
+        self.block = {n: torch.ones(n, n, dtype=torch.bool).tril_() if n > 1 else None for n in sizes}
         self.products = not model.bf16_activations  # a bf16 model's stack computes in fp32 over the widened cache
 
     def _attend(self, n: int, past: int) -> None:
-        block = torch.ones(n, n, dtype=torch.bool).tril_() if n > 1 else None
-        cpu.attend(self.q[n], self.k, self.v, n, past, block, None, self.head_dim**-0.5, self.products)
+        cpu.attend(self.q[n], self.k, self.v, n, past, self.block[n], None, self.head_dim**-0.5, self.products)
 
     @torch.inference_mode()
     def sample(self, context: int) -> None:
