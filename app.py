@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.hosting import LOOPBACK, Hosting, hosting_from, space_database, switch
+from app.hosting import Hosting, hosting_from, space_database, switch
 
 log = logging.getLogger("tokenswift.app")
 
@@ -57,7 +57,7 @@ class AppSettings:
     device: str | None
     worker: bool
     compile: bool | None  # None: compile while idle where the model runs on PyTorch's operators on a CPU
-    threads: int | None  # torch's CPU threads for the in-process worker; None: auto (worker_threads)
+    threads: int | None  # torch's CPU threads for the in-process worker; None: auto (torch's choice)
     log_level: str
     hosting: Hosting = field(default_factory=Hosting)
 
@@ -81,22 +81,6 @@ def _threads(value: str | None) -> int | None:
         return parse_threads(value)
     except ValueError as e:
         raise SystemExit(f"app.py: {e}") from None
-
-
-def worker_threads(settings: AppSettings, cpus: int, torch_threads: int) -> int | None:
-    """The torch thread count the in-process worker should use, or None to keep torch's own (`torch_threads`).
-
-    Auto: when the page is served on loopback, the browser that draws it runs on this machine too; if torch would
-    then claim every CPU, one is left to the browser. Torch's parallel steps wait for their slowest thread, so a
-    browser redrawing the live page every second on a busy CPU stalls all of them (`python -m app.page_bench`
-    measures a run with and without a page open, per thread setting).
-    """
-    if settings.threads is not None:
-        return settings.threads
-    local = settings.host is None or settings.host in LOOPBACK
-    if local and cpus > 1 and torch_threads >= cpus:
-        return cpus - 1
-    return None
 
 
 def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = None) -> AppSettings:
@@ -124,8 +108,7 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
                         "operators, runs start eagerly at once and the graphs compile while the queue is empty)")
     p.add_argument("--threads", default=None,
                    help="torch's CPU threads for the in-process worker (default: $TOKENSWIFT_THREADS, else auto: "
-                        "torch's choice, but one CPU left for the browser when the page is served on loopback "
-                        "and torch would take them all)")
+                        "torch's choice)")
     p.add_argument("--multi-user", action=argparse.BooleanOptionalAction, default=None,
                    help="private projects per writer (Hugging Face sign-in or a key kept by the browser), per-writer "
                         "queue limits and a cap on run length (default: $TOKENSWIFT_MULTI_USER, else auto: on for a "
@@ -244,13 +227,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from app.worker import Worker, usable_cpus
 
-        cpus = usable_cpus()
-        threads = worker_threads(settings, cpus, torch.get_num_threads())
-        if threads is not None:
-            torch.set_num_threads(threads)  # before any graph compiles: inductor bakes the count into its kernels
-        log.info("worker: %d torch thread(s) on %d CPU(s)%s", torch.get_num_threads(), cpus,
-                 " (one left for the browser on this machine; --threads to change)"
-                 if settings.threads is None and threads is not None else "")
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)  # before any graph compiles: inductor bakes the count in
+        log.info("worker: %d torch thread(s) on %d CPU(s)", torch.get_num_threads(), usable_cpus())
 
         # A stable id (host + port): after a crash, the restarted worker recognises the runs it was killed with
         # and marks them interrupted at once, instead of waiting for their heartbeat to go stale.

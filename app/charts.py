@@ -22,6 +22,7 @@ import plotly.graph_objects as go
 from core.generation.metrics import REPETITION_N, REPETITION_WINDOW
 
 MAX_POINTS = 500
+Figures = tuple[go.Figure, go.Figure, go.Figure]  # tokens per step, throughput, repetition
 # Fields kept per bucket. "heads" is derived: accepted drafts that did not come from the n-gram table.
 FIELDS = ("step", "tokens_so_far", "new_tokens", "accepted", "from_ngram", "heads", "tokens_per_s", "repetition",
           "step_ms")
@@ -231,6 +232,6 @@ def repetition_figure(runs: Runs, empty: str = "No steps yet") -> go.Figure:
                                      axes={"yaxis": {"range": [0, 1], "tickformat": ".0%"}}))
 
 
-def all_figures(runs: Runs, empty: str = "No steps yet") -> tuple[go.Figure, go.Figure, go.Figure]:
+def all_figures(runs: Runs, empty: str = "No steps yet") -> Figures:
     """The three charts for one run or several overlaid: (tokens per step, throughput, repetition)."""
     return accepted_figure(runs, empty), throughput_figure(runs, empty), repetition_figure(runs, empty)

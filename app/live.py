@@ -6,6 +6,11 @@ idle page sends almost nothing, and a long run is read incrementally: step rows 
 ``StepBuckets``, the chapter text only when its row changed. Everything shown comes from the database, so a reload,
 a second tab or a server restart shows the same text and progress.
 
+A running run's charts are redrawn every ``CHARTS_EVERY_S`` seconds, not on every poll (its text, counts and status
+line still move every second): the page's Plotly redraws of three charts each second kept a browser on the same
+machine busy for about half a core, which the model's threads then lacked (``python -m app.page_bench``), and the
+server built three figures for each poll.
+
 A changed part is sent again on every poll for ``RESEND_S`` seconds after its change. Polls are computed one at a
 time per session, but a timer tick and an action's follow-up refresh run side by side and their responses may reach
 the page in either order: an older response arriving last would otherwise stay on the page for good (e.g. "running"
@@ -24,21 +29,22 @@ and a click on that chapter, already shown picked, would send nothing.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import plotly.graph_objects as go
-
 import storage
 from app import jobs, views
-from app.charts import StepBuckets, all_figures
+from app.charts import Figures, StepBuckets, all_figures
 
 # While a run writes, the textbox shows at most this much of the chapter's end: resending and re-laying out a
 # 400 KB textarea every second would make the page sluggish. The whole text is shown (and editable) once it stops.
 LIVE_TAIL_CHARS = 50_000
 RESEND_S = 2.0  # polls run about once a second: a change is sent on one or two later ticks too
+CHARTS_EVERY_S = 5.0  # a running run's charts are redrawn this often, at most
 SENT_KEPT = 8  # digests of recently sent texts remembered per session
 
 # The browser's half of text_digest: FNV-1a over the string's UTF-16 code units, and its length.
@@ -89,6 +95,9 @@ class LiveCache:
     # Compare
     compare_id: int | None = None
     compare_runs: dict[str, StepBuckets] = field(default_factory=dict)
+    # Charts: per part, the key and figures last built (a resend sends them again) and when they were built.
+    built: dict[str, tuple[Any, Figures]] = field(default_factory=dict)
+    drawn_at: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # An attribute, not a field: Gradio turns a State's dataclass value into a dict of its fields for the page's
@@ -107,6 +116,21 @@ class LiveCache:
             self.resend_until[part] = now + RESEND_S if resend else now
             return True
         return now < self.resend_until[part]
+
+    def charts(self, part: str, shows: Any, steps: Any, running: bool, now: float,
+               build: Callable[[], Figures]) -> Figures | None:
+        """The charts of `part` to send, or None. `shows` is what they are of (runs, statuses), `steps` how far
+        those runs are: they are drawn anew when `shows` changes, and with new steps at most every CHARTS_EVERY_S
+        while a run is `running`; a resend (see due) sends the figures last built."""
+        shown = self.keys.get(part)
+        recent = now - self.drawn_at.get(part, -math.inf) < CHARTS_EVERY_S
+        key = shown if running and recent and shown is not None and shown[0] == shows else (shows, steps)
+        if not self.due(part, key, now):
+            return None
+        if part not in self.built or self.built[part][0] != key:
+            self.built[part] = (key, build())
+            self.drawn_at[part] = now
+        return self.built[part][1]
 
     def forget(self, *parts: str) -> None:
         for part in parts:
@@ -135,7 +159,7 @@ class WriteUpdate:
     goal_html: str | None = None
     summary: tuple[str, bool] | None = None  # the open chapter's summary (value, editable)
     summary_note: str | None = None
-    figures: tuple[go.Figure, go.Figure, go.Figure] | None = None
+    figures: Figures | None = None
     controls: dict[str, Any] | None = None  # can_write, active, resumable, run_id
 
 
@@ -275,10 +299,12 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
         cache.run_id, cache.buckets = run_id, None
     if run is not None:
         cache.buckets = _refresh_buckets(db, cache.buckets, run.id)
-    if cache.due("charts", (run_id, run.status if run else None, cache.buckets.n_steps if cache.buckets else 0), now):
-        empty = ("No run yet" if run is None else
-                 "Queued: waiting for the worker" if run.status == "queued" else "No steps recorded")
-        up.figures = all_figures(cache.buckets, empty=empty)
+    empty = ("No run yet" if run is None else
+             "Queued: waiting for the worker" if run.status == "queued" else "No steps recorded")
+    steps = cache.buckets.n_steps if cache.buckets else 0
+    up.figures = cache.charts("charts", (run_id, run.status if run else None), steps,
+                              run is not None and run.status == "running", now,
+                              lambda: all_figures(cache.buckets, empty=empty))
 
     # -- status line --
     b = cache.buckets
@@ -310,7 +336,7 @@ class CompareUpdate:
     ts_line: str | None = None
     ar_text: str | None = None
     ts_text: str | None = None
-    figures: tuple[go.Figure, go.Figure, go.Figure] | None = None
+    figures: Figures | None = None
     active: bool = False
     listing_changed: bool = False  # a run's status or the verdict changed: the past-comparisons table is stale
 
@@ -356,14 +382,16 @@ def _poll_compare(db: storage.Database, compare_id: int | None, cache: LiveCache
                (comparison.tokens_match, bool(comparison.divergence)) if comparison else None)
     up.listing_changed = cache.due("cmp-listing", listing, now) and not first_sight
 
-    n_steps = []
+    shows, n_steps = [], []
     for label, run in runs.items():
         if run is None:
             continue
         buckets = cache.compare_runs[label] = _refresh_buckets(db, cache.compare_runs.get(label), run.id)
-        n_steps.append((label, run.status, buckets.n_steps))
-    if cache.due("cmp-figures", tuple(n_steps), now):
-        up.figures = all_figures({k: v for k, v in cache.compare_runs.items()}, empty="Waiting for the first steps")
+        shows.append((label, run.status))
+        n_steps.append(buckets.n_steps)
+    up.figures = cache.charts("cmp-figures", tuple(shows), tuple(n_steps),
+                              any(status == "running" for _, status in shows), now,
+                              lambda: all_figures(dict(cache.compare_runs), empty="Waiting for the first steps"))
 
     per_step = {k: (b.mean_tokens_per_step if b.n_steps else None) for k, b in cache.compare_runs.items()}
     summary = views.compare_summary(comparison, ar, ts, per_step.get("Vanilla"), per_step.get("TokenSwift"))

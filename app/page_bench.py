@@ -1,7 +1,7 @@
 """How fast the studio writes while a browser page watches the run: the worker's torch thread count against a live
 page drawn on the same machine.
 
-    python -m app.page_bench [--threads auto,all] [--pages on,off] [--max-new-tokens 300] [--repeats 3]
+    python -m app.page_bench [--threads 1,all] [--pages on,off] [--max-new-tokens 300] [--repeats 3]
                              [--compile] [--model SPEC] [--json OUT]
 
 Each thread setting gets its own `app.py` (threads are fixed when the worker starts: compiled kernels bake the count
@@ -11,7 +11,7 @@ same premise and seed: the same tokens every time) is decoded with a headless Ch
 (`off`), in a rotated order. Reported: the run's decode tokens/s (the worker's own figure), median over repeats, and
 each setting's ratio to `all` threads with the same page mode. Prints a markdown table; `--json` writes every run.
 
-`auto` is the app's default (app.py's `worker_threads`); `all` passes every CPU; a number passes that count.
+`auto` is the app's default (torch's choice); `all` passes every CPU; a number passes that count.
 Needs Debian's chromium at /usr/bin/chromium (`make browser`) for `--pages on`.
 """
 from __future__ import annotations
@@ -158,8 +158,8 @@ def _list(value: str, allowed: tuple[str, ...] | None = None) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app.page_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=_list, default=["auto", "all"],
-                   help="thread settings to compare: auto, all, or a number (default: auto,all)")
+    p.add_argument("--threads", type=_list, default=["1", "all"],
+                   help="thread settings to compare: auto, all, or a number (default: 1,all)")
     p.add_argument("--pages", type=lambda v: _list(v, ("on", "off")), default=["on", "off"],
                    help="with a browser page open on the run (on) and without (off); default: on,off")
     p.add_argument("--max-new-tokens", type=int, default=300)

@@ -55,24 +55,11 @@ def test_threads_setting_and_its_auto_default():
     entry = load_entry()
     assert entry.parse_settings([], env={"TOKENSWIFT_THREADS": "3"}).threads == 3
     assert entry.parse_settings(["--threads", "2"], env={"TOKENSWIFT_THREADS": "3"}).threads == 2
-    assert entry.parse_settings(["--threads", "auto"], env={"TOKENSWIFT_THREADS": "3"}).threads is None
+    assert entry.parse_settings(["--threads", "auto"], env={"TOKENSWIFT_THREADS": "3"}).threads is None  # torch's
+    assert entry.parse_settings([], env={}).threads is None
     for bad in ("0", "-1", "two", "1.5"):
         with pytest.raises(SystemExit, match="thread count must be auto or a whole number"):
             entry.parse_settings(["--threads", bad], env={})
-
-    def threads(argv, cpus, torch_threads, env=None):
-        return entry.worker_threads(entry.parse_settings(argv, env=env or {}), cpus, torch_threads)
-
-    # Served on this machine with torch on every CPU: one is left to the browser drawing the page.
-    assert threads([], cpus=2, torch_threads=2) == 1
-    assert threads(["--host", "localhost"], cpus=8, torch_threads=8) == 7
-    # torch already leaves CPUs free (physical cores of a hyperthreaded laptop), one CPU, or a remote browser
-    # (a Space binds 0.0.0.0): torch's own choice stands.
-    assert threads([], cpus=8, torch_threads=4) is None
-    assert threads([], cpus=1, torch_threads=1) is None
-    assert threads([], cpus=2, torch_threads=2, env={"GRADIO_SERVER_NAME": "0.0.0.0"}) is None
-    # An explicit count always wins.
-    assert threads(["--threads", "2"], cpus=2, torch_threads=2) == 2
 
 
 def test_standalone_worker_reads_the_thread_count_alike(capsys):

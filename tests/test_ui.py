@@ -142,14 +142,39 @@ def test_create_generate_and_watch_progress(h, db):
     assert live.poll_write(db, view, cache, now=time.monotonic() + live.RESEND_S) == live.WriteUpdate()
 
     worker.write(run.id, ", there was a keeper.", 10, 5)
-    up = live.poll_write(db, view, cache)
+    up = live.poll_write(db, view, cache, now=time.monotonic() + live.CHARTS_EVERY_S)
     assert up.text[0] == "Once upon a time, there was a keeper."
-    assert cache.buckets.n_steps == 15 and up.figures is not None
+    assert cache.buckets.n_steps == 15 and len(up.figures[0].data[0].x) == 15
 
     storage.finish_run(db, run.id, "done", decode_s=0.5)
     up = live.poll_write(db, view, cache)
     assert up.text == ("Once upon a time, there was a keeper.", True)  # editable again
     assert "done" in up.status_html and up.controls["can_write"]
+
+
+def test_a_running_runs_charts_are_redrawn_every_few_seconds(h, db):
+    """The text moves on every poll; a running run's charts at most every CHARTS_EVERY_S (three Plotly redraws a
+    second kept a browser on the same machine busy), at once when the run's status changes; a resend repeats the
+    figures last built."""
+    view, cache = View(), LiveCache()
+    new_project(h, view)
+    generate(h, view)
+    worker = FakeWorker(db)
+    run = worker.claim()
+    worker.write(run.id, "Once", 0, 10)
+    first = live.poll_write(db, view, cache, now=0.0)
+    assert len(first.figures[0].data[0].x) == 10
+    worker.write(run.id, " upon", 10, 5)
+    up = live.poll_write(db, view, cache, now=1.0)
+    assert up.text == ("Once upon", False) and up.figures is first.figures  # resent as built
+    up = live.poll_write(db, view, cache, now=1.0 + live.RESEND_S)
+    assert up == live.WriteUpdate()  # 15 steps stored, the 10-step charts kept until their next redraw
+    up = live.poll_write(db, view, cache, now=live.CHARTS_EVERY_S)
+    assert len(up.figures[0].data[0].x) == 15 and up.text is None
+    worker.write(run.id, " a time", 15, 5)
+    storage.finish_run(db, run.id, "done", decode_s=0.5)
+    up = live.poll_write(db, view, cache, now=live.CHARTS_EVERY_S + 0.5)  # ended: drawn at once, whole
+    assert len(up.figures[0].data[0].x) == 20 and "done" in up.status_html
 
 
 def show(page: dict, up: live.WriteUpdate) -> None:
@@ -467,7 +492,7 @@ def test_a_long_run_is_read_incrementally_and_stays_small(h, db):
     for batch in range(20):
         worker.write(run.id, "word " * 200, batch * 1000, 1000)
         t0 = time.perf_counter()
-        up = live.poll_write(db, view, cache)
+        up = live.poll_write(db, view, cache, now=batch * live.CHARTS_EVERY_S)  # each poll redraws the charts
         polls.append(time.perf_counter() - t0)
         assert up.figures is not None
     assert cache.buckets.n_steps == 20_000 and cache.buckets.last_step == 19_999
