@@ -117,14 +117,16 @@ class LiveCache:
             return True
         return now < self.resend_until[part]
 
-    def charts(self, part: str, shows: Any, steps: Any, running: bool, now: float,
+    def charts(self, part: str, shows: Any, steps: tuple[int, ...], running: bool, now: float,
                build: Callable[[], Figures]) -> Figures | None:
-        """The charts of `part` to send, or None. `shows` is what they are of (runs, statuses), `steps` how far
-        those runs are: they are drawn anew when `shows` changes, and with new steps at most every CHARTS_EVERY_S
-        while a run is `running`; a resend (see due) sends the figures last built."""
+        """The charts of `part` to send, or None. `shows` is what they are of (runs, statuses), `steps` each run's
+        step count: they are drawn anew when `shows` changes or a run's first steps arrive, and with more steps at
+        most every CHARTS_EVERY_S while a run is `running`; a resend (see due) sends the figures last built."""
         shown = self.keys.get(part)
-        recent = now - self.drawn_at.get(part, -math.inf) < CHARTS_EVERY_S
-        key = shown if running and recent and shown is not None and shown[0] == shows else (shows, steps)
+        held = (running and shown is not None and shown[0] == shows
+                and now - self.drawn_at.get(part, -math.inf) < CHARTS_EVERY_S
+                and not any(new and not old for old, new in zip(shown[1], steps)))
+        key = shown if held else (shows, steps)
         if not self.due(part, key, now):
             return None
         if part not in self.built or self.built[part][0] != key:
@@ -301,7 +303,7 @@ def _poll_write(db: storage.Database, view: View, cache: LiveCache, zerogpu: boo
         cache.buckets = _refresh_buckets(db, cache.buckets, run.id)
     empty = ("No run yet" if run is None else
              "Queued: waiting for the worker" if run.status == "queued" else "No steps recorded")
-    steps = cache.buckets.n_steps if cache.buckets else 0
+    steps = (cache.buckets.n_steps if cache.buckets else 0,)
     up.figures = cache.charts("charts", (run_id, run.status if run else None), steps,
                               run is not None and run.status == "running", now,
                               lambda: all_figures(cache.buckets, empty=empty))

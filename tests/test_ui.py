@@ -154,26 +154,27 @@ def test_create_generate_and_watch_progress(h, db):
 
 def test_a_running_runs_charts_are_redrawn_every_few_seconds(h, db):
     """The text moves on every poll; a running run's charts at most every CHARTS_EVERY_S (three Plotly redraws a
-    second kept a browser on the same machine busy), at once when the run's status changes; a resend repeats the
-    figures last built."""
+    second kept a browser on the same machine busy), at once when its first steps arrive or its status changes; a
+    resend repeats the figures last built."""
     view, cache = View(), LiveCache()
     new_project(h, view)
     generate(h, view)
     worker = FakeWorker(db)
     run = worker.claim()
+    assert live.poll_write(db, view, cache, now=0.0).figures is not None  # running, no steps yet
     worker.write(run.id, "Once", 0, 10)
-    first = live.poll_write(db, view, cache, now=0.0)
+    first = live.poll_write(db, view, cache, now=0.5)  # the first steps: drawn at once
     assert len(first.figures[0].data[0].x) == 10
     worker.write(run.id, " upon", 10, 5)
     up = live.poll_write(db, view, cache, now=1.0)
     assert up.text == ("Once upon", False) and up.figures is first.figures  # resent as built
     up = live.poll_write(db, view, cache, now=1.0 + live.RESEND_S)
     assert up == live.WriteUpdate()  # 15 steps stored, the 10-step charts kept until their next redraw
-    up = live.poll_write(db, view, cache, now=live.CHARTS_EVERY_S)
+    up = live.poll_write(db, view, cache, now=0.5 + live.CHARTS_EVERY_S)
     assert len(up.figures[0].data[0].x) == 15 and up.text is None
     worker.write(run.id, " a time", 15, 5)
     storage.finish_run(db, run.id, "done", decode_s=0.5)
-    up = live.poll_write(db, view, cache, now=live.CHARTS_EVERY_S + 0.5)  # ended: drawn at once, whole
+    up = live.poll_write(db, view, cache, now=1.0 + live.CHARTS_EVERY_S)  # ended: drawn at once, whole
     assert len(up.figures[0].data[0].x) == 20 and "done" in up.status_html
 
 
