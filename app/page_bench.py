@@ -7,9 +7,10 @@ page drawn on the same machine.
 Each thread setting gets its own `app.py` (threads are fixed when the worker starts: compiled kernels bake the count
 in), started in turn and in a rotated order each repeat. On each server the same run (one chapter regenerated from the
 same premise and seed: the same tokens every time) is decoded with a headless Chromium page open on that chapter
-(`on`: the Write tab's text, counts and charts update every second, as a writer sees them) and with no page
-(`off`), in a rotated order. Reported: the run's decode tokens/s (the worker's own figure), median over repeats, and
-each setting's ratio to `all` threads with the same page mode. Prints a markdown table; `--json` writes every run.
+(`on`: the Write tab's text and counts update every second, its charts every few, as a writer sees them) and with
+no page (`off`), in a rotated order. Reported: the run's decode tokens/s (the worker's own figure), median over
+repeats, and each setting's ratio to `all` threads with the same page mode. Prints a markdown table; `--json` writes
+every run.
 
 `auto` is the app's default (torch's choice); `all` passes every CPU; a number passes that count.
 Needs Debian's chromium at /usr/bin/chromium (`make browser`) for `--pages on`.
