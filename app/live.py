@@ -96,8 +96,7 @@ class LiveCache:
     compare_id: int | None = None
     compare_runs: dict[str, StepBuckets] = field(default_factory=dict)
     # Charts: per part, the key and figures last built (a resend sends them again) and when they were built.
-    built: dict[str, tuple[Any, Figures]] = field(default_factory=dict)
-    drawn_at: dict[str, float] = field(default_factory=dict)
+    built: dict[str, tuple[Any, Figures, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # An attribute, not a field: Gradio turns a State's dataclass value into a dict of its fields for the page's
@@ -123,16 +122,16 @@ class LiveCache:
         step count: they are drawn anew when `shows` changes or a run's first steps arrive, and with more steps at
         most every CHARTS_EVERY_S while a run is `running`; a resend (see due) sends the figures last built."""
         shown = self.keys.get(part)
-        held = (running and shown is not None and shown[0] == shows
-                and now - self.drawn_at.get(part, -math.inf) < CHARTS_EVERY_S
+        built_key, figures, drawn_at = self.built.get(part, (None, None, -math.inf))
+        held = (running and shown is not None and shown[0] == shows and now - drawn_at < CHARTS_EVERY_S
                 and not any(new and not old for old, new in zip(shown[1], steps)))
         key = shown if held else (shows, steps)
         if not self.due(part, key, now):
             return None
-        if part not in self.built or self.built[part][0] != key:
-            self.built[part] = (key, build())
-            self.drawn_at[part] = now
-        return self.built[part][1]
+        if figures is None or built_key != key:
+            figures = build()
+            self.built[part] = (key, figures, now)
+        return figures
 
     def forget(self, *parts: str) -> None:
         for part in parts:
