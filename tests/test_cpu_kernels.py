@@ -467,15 +467,18 @@ def test_a_forward_in_one_call_gives_the_floats_of_its_parts(tiny_dir: Path, wei
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "q4"])
 def test_the_native_stack_computes_the_same_floats_on_any_number_of_threads(tiny_dir: Path, weights: str) -> None:
     """The stack's threads share every phase (the per-row glue in pieces of a row, tiles, attention's chunks by
-    cost, rows to merge) and meet at barriers; how many there are, and so which thread takes what, changes no float:
-    a prefill, a tree block, one-token steps and a two-token block (fewer tokens than threads: their rows' norms and
-    gates split by columns) on one, two or three threads give the same logits and the same cache."""
+    cost, rows to merge) and meet at barriers; a thread done with its share takes from another's, so which thread
+    takes what differs from run to run (and is seen to: tasks were taken), and how many threads there are and who
+    took what changes no float: a prefill, a tree block, one-token steps and a two-token block (fewer tokens than
+    threads: their rows' norms and gates split by columns) on one, two or three threads give the same logits and the
+    same cache."""
     model = load_model(str(tiny_dir), device="cpu", weights=weights).model
     ids = torch.randint(512, (300,), generator=torch.Generator().manual_seed(2))
     tree = branching_trees()[0]
     tokens = torch.tensor(tree.tokens) % 512
     threads = torch.get_num_threads()
     runs = []
+    taken = cpu.kernel().tasks_taken()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
@@ -495,6 +498,7 @@ def test_the_native_stack_computes_the_same_floats_on_any_number_of_threads(tiny
             runs.append((prefill, block, torch.cat(steps), pair, c.k.clone(), c.v.clone()))
     finally:
         torch.set_num_threads(threads)
+    assert cpu.kernel().tasks_taken() > taken
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), weights
 

@@ -199,10 +199,29 @@ inline bool quantized(int fmt) { return fmt == kFmtQ8_0 || fmt == kFmtQ4_1; }
 // into one contiguous part per thread. A single kernel call runs its parts through at::parallel_for; the decoder
 // stack runs all its layers in one OpenMP region whose threads (a Team) take their parts of each phase and meet at a
 // barrier: starting a region for every phase (181 per forward) cost a sizeable share of a one-token step, the
-// caches cold after each phase's stream. Which thread computes a task never changes a float.
+// caches cold after each phase's stream. Inside the region a thread that has finished its part takes tasks from
+// another's (run_tasks). Which thread computes a task never changes a float.
+
+// A team thread's claim on its share of a phase's tasks, on a cache line of its own: the phase it is of and what is
+// left of the share, [begin, end), in one word (16 | 24 | 24 bits), so a claim is one compare-and-swap.
+struct alignas(64) Claim {
+  std::atomic<uint64_t> word{0};
+  static constexpr int64_t kMost = int64_t{1} << 24;  // tasks a phase may have to be claimed (else a fixed split)
+  static uint64_t pack(uint64_t phase, int64_t begin, int64_t end) {
+    return (phase & 0xFFFF) << 48 | static_cast<uint64_t>(begin) << 24 | static_cast<uint64_t>(end);
+  }
+  static uint64_t phase_of(uint64_t w) { return w >> 48; }
+  static int64_t begin_of(uint64_t w) { return static_cast<int64_t>(w >> 24 & 0xFFFFFF); }
+  static int64_t end_of(uint64_t w) { return static_cast<int64_t>(w & 0xFFFFFF); }
+};
+
+// Tasks a team's thread has taken from another thread's share, since the module was loaded (tests read it).
+std::atomic<int64_t> tasks_taken{0};
 
 struct Team {
   int id = 0, size = 1;
+  Claim* claims = nullptr;  // one per thread, shared by the team (see run_tasks)
+  mutable uint64_t phase = 0;  // the phases this thread has entered: the same count on every thread of the team
   void sync() const {
 #ifdef _OPENMP
     if (size > 1) {
@@ -210,11 +229,11 @@ struct Team {
     }
 #endif
   }
-  static Team current() {
+  static Team current(Claim* claims) {
 #ifdef _OPENMP
-    return {omp_get_thread_num(), omp_get_num_threads()};
+    return {omp_get_thread_num(), omp_get_num_threads(), claims};
 #else
-    return {};
+    return {0, 1, claims};
 #endif
   }
 };
@@ -256,6 +275,45 @@ void run_parts(const Team* team, const Share& share, const F& f) {
       if (begin < end) f(begin, end);
     }
   });
+}
+
+// run_parts for tasks that may run in any grouping (each task's floats its own): a team's thread starts on its
+// share, taking a quarter of what is left of it at a time from the front, and with none left takes half of what is
+// left of another thread's share from the back, so a thread slowed this time (the memory's jitter, another process)
+// does not leave the others waiting at the barrier. A share not yet begun is claimed as share() gives it: the
+// barrier closing each phase means a claim of an earlier phase is spent.
+template <typename Share, typename F>
+void run_tasks(const Team* team, int64_t tasks, const Share& share, const F& f) {
+  if (team == nullptr || team->claims == nullptr || team->size == 1 || tasks >= Claim::kMost)
+    return run_parts(team, share, f);
+  const uint64_t phase = ++team->phase & 0xFFFF;
+  // [begin, end) taken from thread v's share: `front` (its own) a quarter of what is left, else half from the back
+  auto take = [&](int v, bool front) -> std::pair<int64_t, int64_t> {
+    std::atomic<uint64_t>& word = team->claims[v].word;
+    uint64_t w = word.load(std::memory_order_acquire);
+    while (true) {
+      int64_t b, e;
+      if (Claim::phase_of(w) == phase) {
+        b = Claim::begin_of(w), e = Claim::end_of(w);
+      } else {
+        std::tie(b, e) = share(v, team->size);
+      }
+      if (b >= e) return {0, 0};
+      const int64_t left = e - b;
+      const int64_t cut = front ? b + (left + 3) / 4 : e - (left + 1) / 2;
+      const uint64_t next = front ? Claim::pack(phase, cut, e) : Claim::pack(phase, b, cut);
+      if (!word.compare_exchange_weak(w, next, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      if (front) return {b, cut};
+      tasks_taken.fetch_add(e - cut, std::memory_order_relaxed);
+      return {cut, e};
+    }
+  };
+  for (auto [b, e] = take(team->id, true); b < e; std::tie(b, e) = take(team->id, true)) f(b, e);
+  for (int step = 1; step < team->size; ++step) {
+    const int v = (team->id + step) % team->size;
+    for (auto [b, e] = take(v, false); b < e; std::tie(b, e) = take(v, false)) f(b, e);
+  }
+  team->sync();
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -688,7 +746,7 @@ void linear_into(const Linear& L, const float* x, int64_t R, float* out, bool bf
     xq = &own;
   }
   const int64_t T = (L.n + kCols - 1) / kCols;
-  run_parts(team, [&](int64_t part, int64_t parts) { return equal_part(T, part, parts); },
+  run_tasks(team, T, [&](int64_t part, int64_t parts) { return equal_part(T, part, parts); },
             [&](int64_t t0, int64_t t1) { linear_tiles(L, x, *xq, R, t0, t1, out, bf16, add); });
 }
 
@@ -1591,9 +1649,10 @@ struct Attention {
   // or at::parallel_for's.
   template <typename Out>
   void run(const E* kp, int64_t kh, const E* vp, int64_t vh, const Out& out, const Team* team) {
-    run_parts(team, [&](int64_t i, int64_t parts) { return cost_part(cost, i, parts); },
+    run_tasks(team, static_cast<int64_t>(cost.size()) - 1,
+              [&](int64_t i, int64_t parts) { return cost_part(cost, i, parts); },
               [&](int64_t b, int64_t e) { tasks(b, e, kp, kh, vp, vh); });
-    run_parts(team, [&](int64_t i, int64_t parts) { return equal_part(H * R, i, parts); },
+    run_tasks(team, H * R, [&](int64_t i, int64_t parts) { return equal_part(H * R, i, parts); },
               [&](int64_t b, int64_t e) { merge(b, e, out); });
   }
 };
@@ -2343,9 +2402,10 @@ class RootHead {
       if (quantized(L[j]->fmt)) xq[j].size_for(R, L[j]->k);
     if (quantized(up_.fmt)) quantize_rows(x.data(), 0, R, xq[0]);
     const int threads = at::get_num_threads();
+    std::vector<Claim> claims(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-      const Team team = Team::current();
+      const Team team = Team::current(claims.data());
       linear_into(up_, x.data(), R, u.data(), false, &team, &xq[0]);
       // SiLU, and the down projection's input quantized, by whole blocks of each row
       const int64_t per = (W + kBlock - 1) / kBlock;  // (a quantized layer's W is a multiple of kBlock)
@@ -2525,9 +2585,10 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   // The per-row glue is cut into (token, 32 columns) pieces, so a one-token step shares it too; a row's norm needs
   // the row's sum of squares, which each thread computes whole. The residual sums are taken by the output and down
   // projections, as they write their columns.
+  std::vector<Claim> claims(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    const Team team = Team::current();
+    const Team team = Team::current(claims.data());
     // f(i, c0, c1) for the columns [c0, c1) of token i in this thread's part of n rows of `width` columns (pieces of
     // kBlock columns: a piece quantized is a whole block).
     auto pieces = [&](int64_t width, auto f, int64_t from = 0) {  // (rows from `from` on)
@@ -2766,6 +2827,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Stack::forward, "the stack over a block of new tokens", py::arg("x"), py::arg("tokens"),
            py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("kc"), py::arg("vc"), py::arg("past"),
            py::arg("vis"), py::arg("window"), py::arg("first"));
+  m.def("tasks_taken", [] { return tasks_taken.load(); }, "tasks a thread took from another's share, so far");
   m.def("keep_rows", &keep_rows, "the kept rows of a verified block moved into place in the cache");
   py::class_<Draw>(m, "Draw", "a generation's draw, its settings bound once", py::module_local())
       .def(py::init<int64_t, torch::Tensor, double, double, int64_t, double, double, int64_t, int64_t>(),
