@@ -202,17 +202,18 @@ inline bool quantized(int fmt) { return fmt == kFmtQ8_0 || fmt == kFmtQ4_1; }
 // caches cold after each phase's stream. Inside the region a thread that has finished its part takes tasks from
 // another's (run_tasks). Which thread computes a task never changes a float.
 
-// A team thread's claim on its share of a phase's tasks, on a cache line of its own: the phase it is of and what is
-// left of the share, [begin, end), in one word (16 | 24 | 24 bits), so a claim is one compare-and-swap.
+// A team thread's claim on its share of a phase's tasks, on a cache line of its own: the phase it is of (counted
+// from 1 in the team's region, which has far fewer than 2^24 phases) and what is left of the share, [begin, end), in
+// one word (24 | 20 | 20 bits), so a claim is one compare-and-swap.
 struct alignas(64) Claim {
   std::atomic<uint64_t> word{0};
-  static constexpr int64_t kMost = int64_t{1} << 24;  // tasks a phase may have to be claimed (else a fixed split)
+  static constexpr int64_t kMost = int64_t{1} << 20;  // tasks a phase may have to be claimed (else a fixed split)
   static uint64_t pack(uint64_t phase, int64_t begin, int64_t end) {
-    return (phase & 0xFFFF) << 48 | static_cast<uint64_t>(begin) << 24 | static_cast<uint64_t>(end);
+    return phase << 40 | static_cast<uint64_t>(begin) << 20 | static_cast<uint64_t>(end);
   }
-  static uint64_t phase_of(uint64_t w) { return w >> 48; }
-  static int64_t begin_of(uint64_t w) { return static_cast<int64_t>(w >> 24 & 0xFFFFFF); }
-  static int64_t end_of(uint64_t w) { return static_cast<int64_t>(w & 0xFFFFFF); }
+  static uint64_t phase_of(uint64_t w) { return w >> 40; }
+  static int64_t begin_of(uint64_t w) { return static_cast<int64_t>(w >> 20 & (kMost - 1)); }
+  static int64_t end_of(uint64_t w) { return static_cast<int64_t>(w & (kMost - 1)); }
 };
 
 // Tasks a team's thread has taken from another thread's share, since the module was loaded (tests read it).
@@ -286,7 +287,7 @@ template <typename Share, typename F>
 void run_tasks(const Team* team, int64_t tasks, const Share& share, const F& f) {
   if (team == nullptr || team->claims == nullptr || team->size == 1 || tasks >= Claim::kMost)
     return run_parts(team, share, f);
-  const uint64_t phase = ++team->phase & 0xFFFF;
+  const uint64_t phase = ++team->phase & 0xFFFFFF;
   // [begin, end) taken from thread v's share: `front` (its own) a quarter of what is left, else half from the back
   auto take = [&](int v, bool front) -> std::pair<int64_t, int64_t> {
     std::atomic<uint64_t>& word = team->claims[v].word;
