@@ -309,10 +309,9 @@ void run_tasks(const Team* team, int64_t tasks, const Share& share, const F& f) 
       return {cut, e};
     }
   };
-  for (auto [b, e] = take(team->id, true); b < e; std::tie(b, e) = take(team->id, true)) f(b, e);
-  for (int step = 1; step < team->size; ++step) {
+  for (int step = 0; step < team->size; ++step) {  // its own share first, then the others'
     const int v = (team->id + step) % team->size;
-    for (auto [b, e] = take(v, false); b < e; std::tie(b, e) = take(v, false)) f(b, e);
+    for (auto [b, e] = take(v, step == 0); b < e; std::tie(b, e) = take(v, step == 0)) f(b, e);
   }
   team->sync();
 }
