@@ -592,60 +592,118 @@ void quant_tile_avx512(const Linear& L, int64_t t, const QuantRows& xq, int64_t 
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// The quantized tile on AVX2: the same arithmetic as tile_rows' portable loop, with a block's weights held in
-// registers for all RB rows, one half-tile (8 columns) at a time. For 4-bit weights a block's eight 4-k products are
-// summed in int16 before widening: each maddubs lane is at most 2 * 15 * 128 in magnitude, so eight of them stay
-// below 32768, exact, and the widening multiply runs once, not eight times. 8-bit weights (products up to
-// 2 * 128 * 127) widen each product: |w| times x signed as w.
-template <int RB, bool Q4>
-void quant_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
-  const QuantTile<Q4> tile(L, t);
+// The 8-bit tile on AVX2: the same arithmetic as tile_rows' portable loop, with a block's weights held in registers
+// for all RB rows, one half-tile (8 columns) at a time. A product of two int8 can reach 2 * 128 * 127 per maddubs
+// lane, so each is widened before the next is added: |w| times x signed as w.
+template <int RB>
+void q8_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
+  const QuantTile<false> tile(L, t);
   const int64_t B = tile.blocks;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[RB][2];
   for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* wb = tile.block(b);
     tile.fetch_ahead(b);
     for (int h = 0; h < 2; ++h) {
-      __m256i w[8];
-      if constexpr (Q4) {
-        for (int g = 0; g < 4; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
-          w[g] = _mm256_and_si256(v, low);
-          w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-      } else {  // |w|, shared by the rows; each row takes w's signs from the block (in L1 by then)
-        for (int g = 0; g < 8; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
-          w[g] = _mm256_sign_epi8(v, v);
-        }
+      __m256i w[8];  // |w|, shared by the rows; each row takes w's signs from the block (in L1 by then)
+      for (int g = 0; g < 8; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
+        w[g] = _mm256_sign_epi8(v, v);
       }
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile.scales(b) + h * 8)));
-      __m256 mw = _mm256_setzero_ps();
-      if constexpr (Q4) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile.mins(b) + h * 8)));
       for (int r = 0; r < RB; ++r) {
         const int64_t row = r0 + r;
         const int8_t* xr = &xq.q[row * xq.k + b * kBlock];
-        __m256i s;
-        if constexpr (Q4) {
-          __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load4(xr)));
-          for (int g = 1; g < 8; ++g)
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load4(xr + 4 * g))));
-          s = _mm256_madd_epi16(p, ones);
-        } else {  // |w| . (x * sign(w)): unsigned times signed
-          s = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            const __m256i signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
-            const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * g)), signs);
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xv), ones));
-          }
+        __m256i s = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          const __m256i signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
+          const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(load4(xr + 4 * g)), signs);
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xv), ones));
         }
         const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[row * B + b]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][h]);
-        if constexpr (Q4) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq.ds[row * B + b]), acc[r][h]);
       }
     }
+  }
+  for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(out[r], acc[r][0]);
+    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+  }
+}
+
+// G <= 4 rows of one 4-bit block of a tile, both half-tiles at once: each 4-k group's weights unpacked once for the
+// G rows, each row's 4 k of x broadcast once for the 16 columns, and every row's sums in registers. A block's eight
+// 4-k products are summed in int16 before widening: each maddubs lane is at most 2 * 15 * 128 in magnitude, so
+// eight of them stay below 32768, exact. Then the same float arithmetic as tile_rows' portable loop.
+template <int G>
+inline void q4_rows_avx2(const uint8_t* wb, const __m256 (&dw)[2], const __m256 (&mw)[2], const QuantRows& xq,
+                         int64_t row0, int64_t b, __m256 (*acc)[2]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int8_t* xr[G];
+  for (int r = 0; r < G; ++r) xr[r] = &xq.q[(row0 + r) * xq.k + b * kBlock];
+  __m256i p[G][2];
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {  // k 4g .. 4g + 3 in the low nibbles, 16 + 4g .. in the high ones
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + 32));
+    const __m256i l0 = _mm256_and_si256(v0, low), l1 = _mm256_and_si256(v1, low);
+#pragma GCC unroll 4
+    for (int r = 0; r < G; ++r) {
+      const __m256i x = _mm256_set1_epi32(load4(xr[r] + 4 * g));
+      const __m256i a = _mm256_maddubs_epi16(l0, x), c = _mm256_maddubs_epi16(l1, x);
+      p[r][0] = g == 0 ? a : _mm256_add_epi16(p[r][0], a);
+      p[r][1] = g == 0 ? c : _mm256_add_epi16(p[r][1], c);
+      // GCC otherwise regroups the (exact) integer sums, holding every product until the end: spilled to the stack
+      asm("" : "+x"(p[r][0]), "+x"(p[r][1]));
+    }
+    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+#pragma GCC unroll 4
+    for (int r = 0; r < G; ++r) {
+      const __m256i x = _mm256_set1_epi32(load4(xr[r] + 16 + 4 * g));
+      p[r][0] = _mm256_add_epi16(p[r][0], _mm256_maddubs_epi16(h0, x));
+      p[r][1] = _mm256_add_epi16(p[r][1], _mm256_maddubs_epi16(h1, x));
+      asm("" : "+x"(p[r][0]), "+x"(p[r][1]));
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t B = xq.blocks;
+#pragma GCC unroll 4
+  for (int r = 0; r < G; ++r) {
+    const __m256 dx = _mm256_set1_ps(xq.d[(row0 + r) * B + b]), ds = _mm256_set1_ps(xq.ds[(row0 + r) * B + b]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[r][h], ones));
+      acc[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(dw[h], dx), acc[r][h]);
+      acc[r][h] = _mm256_fmadd_ps(mw[h], ds, acc[r][h]);
+    }
+  }
+}
+
+// Rows R0 .. RB - 1 of one 4-bit block in near-equal groups of at most 4 (four rows' sums and a group's unpacked
+// weights fill AVX2's 16 registers).
+template <int RB, int R0>
+inline void q4_groups_avx2(const uint8_t* wb, const __m256 (&dw)[2], const __m256 (&mw)[2], const QuantRows& xq,
+                           int64_t r0, int64_t b, __m256 (*acc)[2]) {
+  constexpr int left = RB - R0, groups = (left + 3) / 4, G = (left + groups - 1) / groups;
+  q4_rows_avx2<G>(wb, dw, mw, xq, r0 + R0, b, acc + R0);
+  if constexpr (R0 + G < RB) q4_groups_avx2<RB, R0 + G>(wb, dw, mw, xq, r0, b, acc);
+}
+
+// The 4-bit tile on AVX2, block by block.
+template <int RB>
+void q4_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, float (&out)[RB][kCols]) {
+  const QuantTile<true> tile(L, t);
+  __m256 acc[RB][2];
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < tile.blocks; ++b) {
+    tile.fetch_ahead(b);
+    __m256 dw[2], mw[2];
+    for (int h = 0; h < 2; ++h) {
+      dw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile.scales(b) + h * 8)));
+      mw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile.mins(b) + h * 8)));
+    }
+    q4_groups_avx2<RB, 0>(tile.block(b), dw, mw, xq, r0, b, acc);
   }
   for (int r = 0; r < RB; ++r) {
     _mm256_storeu_ps(out[r], acc[r][0]);
@@ -664,8 +722,8 @@ void tile_rows(const Linear& L, int64_t t, const float* x, const QuantRows& xq, 
   return quant_tile_avx512<RB, false>(L, t, xq, r0, acc);
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if (L.fmt == kFmtQ4_1) return quant_tile_avx2<RB, true>(L, t, xq, r0, acc);
-  return quant_tile_avx2<RB, false>(L, t, xq, r0, acc);
+  if (L.fmt == kFmtQ4_1) return q4_tile_avx2<RB>(L, t, xq, r0, acc);
+  return q8_tile_avx2<RB>(L, t, xq, r0, acc);
 #endif
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
