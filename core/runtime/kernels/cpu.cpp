@@ -285,7 +285,7 @@ void run_parts(const Team* team, const Share& share, const F& f) {
 // barrier closing each phase means a claim of an earlier phase is spent.
 template <typename Share, typename F>
 void run_tasks(const Team* team, int64_t tasks, const Share& share, const F& f) {
-  if (team == nullptr || team->claims == nullptr || team->size == 1 || tasks >= Claim::kMost)
+  if (team == nullptr || team->size == 1 || tasks >= Claim::kMost)
     return run_parts(team, share, f);
   const uint64_t phase = ++team->phase & 0xFFFFFF;
   // [begin, end) taken from thread v's share: `front` (its own) a quarter of what is left, else half from the back
