@@ -1,7 +1,7 @@
 """The losslessness check shared by the tests: TokenSwift's ids must equal vanilla decoding's, every one of them.
 
 No tolerance: on the paths we ship every row of a verified tree is computed with the floats of a one-token step
-(core/runtime/kernels/cpu.cpp), so a single differing id is a bug, reported with where it happened and the top-2 gap
+(core/runtime/kernels/), so a single differing id is a bug, reported with where it happened and the top-2 gap
 of the processed logits there (which says how close a call it was, not that it is forgiven)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CPU kernels (core/runtime/kernels/cpu.cpp): each computes its function (against float64 references of the
+"""The CPU kernels (core/runtime/kernels/): each computes its function (against float64 references of the
 same arithmetic), and a row's result is the same floats whatever rows share the call, however many threads run and
 wherever its keys sit in the cache. The decoder built on them therefore gives a token verified inside a tree — in the
 layouts TreeBuilder really builds — bit for bit the logits a one-token step gives it; with bf16 weights it rounds its
@@ -225,7 +225,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args, **k
     return cpu.attend(q, tile_keys(keys), values, *args, **kwargs)
 
 
-CHUNK = 256  # cpu.cpp's kChunk: a row's keys in chunks of 256 logical positions, each with its own maximum
+CHUNK = 256  # attention.h's kChunk: a row's keys in chunks of 256 logical positions, each with its own maximum
 
 
 def reference_attention(q, keys, values, past: int, visible: torch.Tensor, n: int, bf16: bool | None = None

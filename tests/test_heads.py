@@ -141,9 +141,9 @@ def test_candidates_are_ranked_as_the_sampler_draws() -> None:
 
 @pytest.mark.parametrize("fmt", ["f32", "q8_0"])
 def test_the_kernels_root_step_computes_the_root_heads_modules(fmt: str) -> None:
-    """On a native model the root head's step is one kernel call (cpu.cpp: RootHead.step): its state and logits are
-    the PyTorch modules' (norms, up, SiLU, down, residual, output norm, the scored rows) on the same packed weights,
-    up to float rounding, and it drafts the same tokens."""
+    """On a native model the root head's step is one kernel call (kernels/root_head.h: RootHead.step): its state and
+    logits are the PyTorch modules' (norms, up, SiLU, down, residual, output norm, the scored rows) on the same packed
+    weights, up to float rounding, and it drafts the same tokens."""
     model = tiny(3)
     heads = DraftHeads.initial(model, vocab=torch.arange(0, 128, 2), root_width=32)
     for p in heads.root.parameters():

@@ -71,7 +71,7 @@ def test_noise_is_a_function_of_seed_position_and_token() -> None:
 
 
 def test_the_kernels_key_and_window_each_draw_as_the_sampler_does() -> None:
-    """The bound draw (kernels/cpu.cpp: Draw) derives a position's noise key as the sampler does, and a draw after
+    """The bound draw (kernels/draw.h: Draw) derives a position's noise key as the sampler does, and a draw after
     the sequence so far takes the sequence's last ids as its window, as a draw given that window does."""
     assert kernel() is not None, "the CPU kernels did not build"
     for seed in (0, 1, 12345, 2**63 - 1):
@@ -159,7 +159,7 @@ def test_the_native_draw_is_the_processed_distributions_on_real_logits(smol_engi
     PRESETS["studio"], PRESETS["paper"], PRESETS["greedy"], PRESETS["studio"].with_(temperature=20.0, top_p=0.99),
 ], ids=["studio", "paper", "greedy", "flat"])
 def test_the_native_draw_is_the_same_on_any_number_of_threads(smol_engine, settings) -> None:
-    """The draw's passes over the vocabulary are shared by the threads (kernels/cpu.cpp: for_blocks), each block's
+    """The draw's passes over the vocabulary are shared by the threads (kernels/draw.h: for_blocks), each block's
     sums taken alone and added in block order: one thread and two draw the same token from every row, the real
     model's and rows whose top-p boundary lies among ties or far down the tail."""
     assert kernel() is not None, "the CPU kernels did not build"

@@ -208,7 +208,7 @@ class Sampler:
         """The k most likely drafts of each row of a drafter's logits [rows, V'] (column j: token ids[j]; None or
         empty: token j), row i for sequence position first + i, ranked as the draw will draw there: `draft_scores`
         plus the position's Gumbel noise (rank_drafts). Token ids and chances, [rows, k] each. One call of our CPU
-        kernel where it is built (the draw's own filters: kernels/cpu.cpp), else PyTorch's operators."""
+        kernel where it is built (the draw's own filters: kernels/draw.h), else PyTorch's operators."""
         subset = ids if ids is not None and ids.numel() else None
         native = kernel() if logits.device.type == "cpu" else None
         if native is None:
@@ -235,7 +235,7 @@ class Sampler:
 
     @functools.cached_property
     def native(self) -> Any | None:
-        """This sampler's draw on our CPU kernels, its settings bound once (kernels/cpu.cpp: Draw; it defines the
+        """This sampler's draw on our CPU kernels, its settings bound once (kernels/draw.h: Draw; it defines the
         draw wherever it runs, both decoders calling it alike); None where the kernels are not built."""
         native, s = kernel(), self.s
         return None if native is None else native.Draw(self.vocab, self._banned_ids, s.temperature, s.top_p, s.top_k,
@@ -259,7 +259,7 @@ class Sampler:
 
     def walk(self, logits: Tensor, tokens: list[int], parents: list[int], history: Tensor,
              length: int) -> tuple[list[int], int] | None:
-        """Generation.walk in one call of our CPU kernel (kernels/cpu.cpp: Draw.walk, each draw its `draw`) after the
+        """Generation.walk in one call of our CPU kernel (kernels/draw.h: Draw.walk, each draw its `draw`) after the
         sequence `history[:length]` (as `draw_after` takes it); None where the kernels are not built."""
         native = self.native
         return None if native is None else native.walk(logits, tokens, parents, history, length)

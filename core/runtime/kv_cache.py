@@ -10,7 +10,7 @@ overwrite the lowest-scored slots as they arrive. Once they would reach the sink
 
 Where our CPU kernels run attention (float32 or bfloat16 on a CPU) both caches store keys in tiles of 64 slots,
 [layers, kv_heads, slots / 64, d, 64]: a tile holds element j of its 64 keys together, so the kernel's scores
-vectorise along the keys, and is one contiguous block the memory streams at its full rate (kernels/cpu.cpp:
+vectorise along the keys, and is one contiguous block the memory streams at its full rate (kernels/attention.h:
 key_offset). `keys()` gives them as [layers, kv_heads, slots, d], the layout they have elsewhere. A native
 model's cache is bfloat16 (Transformer.cache_dtype): keys and values rounded once as they are written, half the
 bytes every step reads.
@@ -25,7 +25,7 @@ from core.runtime.kernels import cpu
 
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache formats the CPU kernel reads
-KEY_TILE = 64  # slots per tile of keys stored in tiles (kernels/cpu.cpp: kTile)
+KEY_TILE = 64  # slots per tile of keys stored in tiles (kernels/attention.h: kTile)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:

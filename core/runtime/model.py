@@ -8,7 +8,7 @@ does fewer, larger matrix products.
 
 Two ways to run it: PyTorch's operators (any device and dtype; CUDA, compiled graphs), or, on a CPU, native: packed
 weights in fp32, bf16, q8_0 or q4_1 (core/runtime/weights.py), fp32 activations (bf16 ones for bf16 weights: a bf16
-model's numerics, as on CUDA), and the whole decoder stack in one call of our kernels (core/runtime/kernels/cpu.cpp),
+model's numerics, as on CUDA), and the whole decoder stack in one call of our kernels (core/runtime/kernels/stack.h),
 where every row is computed alike whatever rows share the forward and wherever its keys sit in the cache.
 `to_native` switches a model over.
 """
@@ -288,7 +288,7 @@ class Transformer(nn.Module):
         GGUF's own blocks).
 
         `activations`: "fp32" (the default but for bf16 weights) computes in fp32 whatever the weights' format;
-        "bf16" (bf16 weights only; their default) rounds to bf16 where a bf16 model stores a tensor (cpu.cpp:
+        "bf16" (bf16 weights only; their default) rounds to bf16 where a bf16 model stores a tensor (kernels/numerics.h:
         round_bf16 lists where), so the kernels compute what the PyTorch path computes in bf16 on CUDA, every row
         alike. Either way the norms and rotary table are fp32 tensors (exact: a bf16 value widens to the same
         number; in bf16 mode the norms' weights, biases, an untied embedding table and the rotary table are rounded
@@ -389,7 +389,7 @@ class Transformer(nn.Module):
         return x
 
     def bind_stack(self, with_table: bool = True) -> None:
-        """Bind the stack's weights in our CPU kernels once (kernels/cpu.cpp: Stack), with the packed embedding table
+        """Bind the stack's weights in our CPU kernels once (kernels/stack.h: Stack), with the packed embedding table
         (unless `with_table` is False: the embedding module looks the tokens up) and the lm_head where they are
         packed: a forward then passes only its inputs, not the weights' few hundred tensors."""
         cfg = self.cfg
@@ -411,7 +411,7 @@ class Transformer(nn.Module):
 
     def _native_stack(self, tokens: Tensor, positions: Tensor, cache: KVCache, block_mask: Tensor | None,
                       logits_from: int | None = None) -> list[Tensor]:
-        """The decoder stack in one call of our CPU kernels (kernels/cpu.cpp: Stack.forward, its weights bound once:
+        """The decoder stack in one call of our CPU kernels (kernels/stack.h: Stack.forward, its weights bound once:
         bind_stack), keys and values written into the cache at its committed length; in bf16 mode rounding as a bf16
         model does. The kernel looks up the tokens' embeddings in a packed table and their rotary rows by position
         itself, and with `logits_from` it also takes the final norm and the lm_head of the rows from there on: a

@@ -1,7 +1,7 @@
 """Weight formats of the CPU kernels: fp32, bf16, and 8- and 4-bit blocks run as they are (q8_0, q4_1: GGML's
 formats).
 
-A weight [N, K] is packed into tiles of 16 output columns (kernels/cpu.cpp describes the layouts), from a float
+A weight [N, K] is packed into tiles of 16 output columns (kernels/linear.h describes the layouts), from a float
 matrix (`pack`: rounding it to bf16, or quantizing it for q8_0 / q4_1) or from a GGUF file's own blocks
 (`from_gguf_blocks`, which keeps the file's numbers: a GGUF model runs exactly the weights it ships). `NativeLinear`
 is the module a layer holds; its forward is the kernel's, so every row is computed alike whatever rows come with it.
@@ -239,7 +239,7 @@ class NativeLinear(nn.Module):
 
     @staticmethod
     def listed(layers: Iterable[NativeLinear]) -> tuple[list[Tensor], list[int]]:
-        """Layers as the kernels' multi-layer calls take them (cpu.cpp: decoder, root_step): four tensors each
+        """Layers as the kernels' multi-layer calls take them (kernels/stack.h and root_head.h): four tensors each
         (packed, scales, mins, bias), and (format, outputs) each."""
         lin: list[Tensor] = []
         meta: list[int] = []

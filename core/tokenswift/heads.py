@@ -193,8 +193,8 @@ class DraftHeads(nn.Module):
         return state, ids.tolist()[0], p.tolist()[0]
 
     def _native_root(self, model: Transformer) -> Any | None:
-        """The root head bound on the kernels (cpu.cpp: RootHead) with `model`'s embeddings and the lm_head rows it
-        scores, made once for `model`; None where the root head does not run on the kernels."""
+        """The root head bound on the kernels (kernels/root_head.h: RootHead) with `model`'s embeddings and the lm_head
+        rows it scores, made once for `model`; None where the root head does not run on the kernels."""
         bound = self._root_native
         if bound is not None and bound[0] is model and self._scorers.get("root_lm", (None, None))[1] is bound[1]:
             return bound[2]  # the same model and the same scored rows (any change of them drops the entry)

@@ -1,12 +1,12 @@
-"""Builds our C++ CPU kernels (kernels/cpu.cpp) with the system's compiler, once per machine, and loads them from
-the cache afterwards.
+"""Builds our C++ CPU kernels (kernels/cpu.cpp and the headers it includes) with the system's compiler, once per
+machine, and loads them from the cache afterwards.
 
 The source is compiled for an explicit instruction-set level, the best this CPU's flags allow (`isa_level`):
 AVX-512 with VNNI and BF16, AVX-512 with VNNI, AVX2 with FMA and F16C, or plain C++ (any CPU). Never
 `-march=native`: on some virtual machines it enables instructions the CPU then refuses. `TOKENSWIFT_ISA` picks a
-lower level by hand. The extension goes into TOKENSWIFT_CACHE/kernels/<hash>, the hash covering the source, the
-level's flags and torch's version. A kernel that cannot be built (no compiler, a read-only cache) is reported once,
-and the model runs PyTorch's operators instead.
+lower level by hand. The extension goes into TOKENSWIFT_CACHE/kernels/<hash>, the hash covering the source and the
+headers beside it, the level's flags and torch's version. A kernel that cannot be built (no compiler, a read-only
+cache) is reported once, and the model runs PyTorch's operators instead.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def build(name: str, source: Path) -> Any | None:
     if key_name in _MODULES:
         return _MODULES[key_name]
     flags = [*COMMON_FLAGS, *LEVELS[level][1]]
-    text = source.read_text()
+    # the source and the headers beside it, which it includes: one translation unit
+    text = "".join(path.read_text() for path in [source, *sorted(source.parent.glob("*.h"))])
     key = hashlib.sha256((text + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     folder = cache_root() / "kernels" / key
     module_name = f"tokenswift_{name}_{level}_{key}"

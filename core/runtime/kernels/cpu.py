@@ -1,4 +1,5 @@
-"""Python side of the CPU kernels (kernels/cpu.cpp): the extension, built once per machine, and thin typed calls.
+"""Python side of the CPU kernels (kernels/cpu.cpp and its headers): the extension, built once per machine, and thin
+typed calls.
 
 `kernel()` is None where the kernels cannot be used (no compiler, or TOKENSWIFT_KERNELS=off): the model then runs
 PyTorch's operators, which compute the same functions but are not row-invariant.
@@ -17,7 +18,7 @@ from core.runtime.kernels.build import build
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 
-HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the attention kernel's instances (cpu.cpp: attend_into)
+HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the attention kernel's instances (attention.h: attend_into)
 
 # A packed weight as the kernels take it: format code, tiles, fp16 scales, fp16 mins, fp32 bias (empty tensors
 # where absent), output columns. core/runtime/weights.py makes them.
@@ -51,6 +52,6 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, n: int, past: int, visible: 
     the n new ones in slots past .. past + n - 1, token i seeing new token j where visible[i, j] (None: causally).
     Each row reduces over its keys in logical order, so its result is the one a single-token step at its position
     gives. Over bf16 keys and values `bf16_products` takes the scaled query and the values' weights in bf16 too
-    (cpu.cpp: kPairs)."""
+    (attention.h: kPairs)."""
     empty = q.new_empty(0, dtype=torch.bool) if visible is None else visible.contiguous()
     return kernel().attend(q, keys, values, n, past, empty, window or 0, scale, bf16_products)
