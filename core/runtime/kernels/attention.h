@@ -187,9 +187,12 @@ bool set_bf16_dots(bool on) {
 constexpr int64_t kRowBlock = 6;  // the most rows a score or value tile takes at once
 
 // Scores of RB rows for the first `width` of a tile's kTile keys (kt[j * kTile + l]): per key an fma chain over j,
-// in order (in pairs, odd first, with Pairs). `next` (or null): a tile fetched meanwhile, spread over the multiplies.
+// in order (in pairs, odd first, with Pairs). `next` (or null): a tile fetched meanwhile, spread over the multiplies,
+// and with it `values` (or null): this tile's keys' value rows (kTile of D elements, as many lines as a tile), so the
+// weighted sum after the chunk's softmax finds them at hand instead of starting a stream of its own.
 template <int RB, int D, typename E, bool Pairs>
-inline void score_tile(const float* q, const E* kt, int64_t width, float* p, int64_t ldp, const E* next) {
+inline void score_tile(const float* q, const E* kt, int64_t width, float* p, int64_t ldp, const E* next,
+                       const E* values = nullptr) {
   constexpr int64_t line = 64 / sizeof(E);  // elements per cache line
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // AVX2: 8 W keys at a time with every accumulator in a register (RB W of the 16: 4 vectors a row up to 3 rows,
@@ -207,8 +210,10 @@ inline void score_tile(const float* q, const E* kt, int64_t width, float* p, int
       const int j = Pairs ? jj ^ 1 : jj;
       if (next != nullptr) {
         const int64_t step = l0 / (8 * W) * D + jj;
-        for (int64_t u = step * lines / steps; u < (step + 1) * lines / steps; ++u)
+        for (int64_t u = step * lines / steps; u < (step + 1) * lines / steps; ++u) {
           __builtin_prefetch(next + u * line, 0, kCacheToL2);
+          if (values != nullptr) __builtin_prefetch(values + u * line, 0, kCacheToL2);
+        }
       }
       fma_tile<RB, W>(acc, kt + j * kTile + l0, [&](int r) { return q[r * D + j]; });
     }
@@ -230,6 +235,8 @@ inline void score_tile(const float* q, const E* kt, int64_t width, float* p, int
     const float* kj = widened(kt + j * kTile, kTile, wide);
     if (next != nullptr)
       for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(next + j * kTile + l, 0, kCacheToL2);
+    if (values != nullptr)
+      for (int64_t l = 0; l < kTile; l += line) __builtin_prefetch(values + j * kTile + l, 0, kCacheToL2);
     for (int r = 0; r < RB; ++r) {
       const float qj = q[r * D + j];
 #pragma omp simd
@@ -481,10 +488,11 @@ void values_in_registers(const float* w, int64_t ldw, const E* v, int64_t n, int
 // Scores of R rows for n keys from slot s0 on (p[r * ldp + l]) of one head's keys (kt, tile-major: key_offset),
 // a tile at a time. A tile is read where it lies, whatever its slots past the n keys hold (their scores are dropped);
 // keys from a slot inside a tile (a block's, after `past`) are gathered into a tile first. With `pairs`, q holds bf16
-// values and qp (on vdpbf16ps) the same rows as bf16 pairs.
+// values and qp (on vdpbf16ps) the same rows as bf16 pairs. `values` (or null): the value rows of slots s0 on, fetched
+// as each tile's scores are computed where the tiles take them (score_tile).
 template <int D, typename E>
 void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t s0, int64_t n, float* p,
-            int64_t ldp, bool pairs) {
+            int64_t ldp, bool pairs, const E* values = nullptr) {
   E pad[D * kTile];
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t width = std::min(kTile, n - t0), slot = s0 + t0;
@@ -536,8 +544,9 @@ void scores(const float* q, const int32_t* qp, int64_t R, const E* kt, int64_t s
     for_row_blocks(R, [&](auto rows, int64_t r) {
       constexpr int RB = decltype(rows)::value;
       const E* ahead = r == 0 ? next : nullptr;
-      pairs ? score_tile<RB, D, E, true>(q + r * D, src, width, p + r * ldp + t0, ldp, ahead)
-            : score_tile<RB, D, E, false>(q + r * D, src, width, p + r * ldp + t0, ldp, ahead);
+      const E* tile_values = r == 0 && values != nullptr ? values + t0 * D : nullptr;
+      pairs ? score_tile<RB, D, E, true>(q + r * D, src, width, p + r * ldp + t0, ldp, ahead, tile_values)
+            : score_tile<RB, D, E, false>(q + r * D, src, width, p + r * ldp + t0, ldp, ahead, tile_values);
     });
   }
 }
@@ -735,11 +744,13 @@ struct Attention {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / C, c0 = (task % C) * kChunk, c1 = c0 + kChunk;
       const int64_t shared = std::max<int64_t>(0, std::min(c1, past) - c0);  // committed keys in this chunk
-      // the chunk's first values are on their way while its scores are computed (value_tile fetches the rest ahead)
+      // the chunk's first values are on their way while its scores are computed (value_tile fetches the rest ahead;
+      // where the score tiles take them, the scores fetch every committed key's values too)
+      const E* vc = vp + h * vh + c0 * D;
       for (int64_t i = 0; i < std::min(shared, kValuesAhead<E>) * D; i += 64 / sizeof(E))
-        __builtin_prefetch(vp + h * vh + c0 * D + i, 0, kCacheToL2);
+        __builtin_prefetch(vc + i, 0, kCacheToL2);
       if (shared > 0)
-        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, c0, shared, p.data(), kChunk, pairs);
+        scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, c0, shared, p.data(), kChunk, pairs, vc);
       if (c1 > past)  // every row's scores for every key of the block (slots past .. past + n - 1)
         scores<D, E>(&qs[h * R * D], query_pairs(h), R, kp + h * kh, past, n, block.data(), n, pairs);
       float* mx = &part_max[task * R];
@@ -781,7 +792,6 @@ struct Attention {
       // values: the committed keys for all rows at once (an even number of them in pairs), then each row's other
       // keys in its logical order
       const int64_t common = pairs ? shared & ~int64_t{1} : shared;
-      const E* vc = vp + h * vh + c0 * D;
       if (common > 0 && dots && kValuePairs<D>) {
 #if defined(__AVX512BF16__)
         for_row_blocks(R, [&](auto rows, int64_t r) {

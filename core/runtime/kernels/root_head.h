@@ -7,6 +7,11 @@
 #include "linear.h"
 #include "row_ops.h"
 
+// RootHead and RootDrafter, bound to Python, live outside the anonymous namespace yet hold its types: GCC warns of
+// that in a header (-Wsubobject-linkage), which several translation units might include; the kernels are one.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsubobject-linkage"
+
 // Row `id` of a packed weight [n, k] as fp32 into row [k] (an embedding lookup in a tied lm_head's table): per
 // element the weight the linear kernels compute with (d * q, or d * q + m for q4_1; a bf16 value widened).
 void embed_row(const Linear& L, int64_t id, float* row) {
@@ -199,3 +204,5 @@ class RootDrafter {
                               torch::empty({1, head_.hidden()}, torch::kFloat)};
   mutable int turn_ = 0;
 };
+
+#pragma GCC diagnostic pop

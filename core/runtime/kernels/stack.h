@@ -8,6 +8,11 @@
 #include "linear.h"
 #include "row_ops.h"
 
+// Stack, bound to Python, live outside the anonymous namespace yet hold its types: GCC warns of that in a
+// header (-Wsubobject-linkage), which several translation units might include; the kernels are one.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsubobject-linkage"
+
 // A whole decoder stack over n new tokens, in place on x [n, hidden]: per layer RMSNorm, the fused QKV projection,
 // rotary embedding, the new keys and values written into the cache at slots past .. past + n - 1, attention, the
 // output projection and residual, RMSNorm, the fused gate/up projection, the SiLU gate, the down projection and
@@ -237,3 +242,5 @@ class Stack {
   const float* final_w_ = nullptr;
   std::vector<torch::Tensor> held_;
 };
+
+#pragma GCC diagnostic pop
