@@ -303,9 +303,12 @@ void q8_tile_avx2(const Linear& L, int64_t t, const QuantRows& xq, int64_t r0, f
 // G rows, each row's 4 k of x broadcast once for the 16 columns, and every row's sums in registers. A block's eight
 // 4-k products are summed in int16 before widening: each maddubs lane is at most 2 * 15 * 128 in magnitude, so
 // eight of them stay below 32768, exact. Then the same float arithmetic as tile_rows' portable loop.
+// Forced inline: GCC left it a call per block (the tile's accumulators through memory, a vzeroupper at each return),
+// which made a block of 2 or 3 rows cost more per row than one of 4.
 template <int G>
-inline void q4_rows_avx2(const uint8_t* wb, const __m256 (&dw)[2], const __m256 (&mw)[2], const QuantRows& xq,
-                         int64_t row0, int64_t b, __m256 (*acc)[2]) {
+__attribute__((always_inline)) inline void q4_rows_avx2(const uint8_t* wb, const __m256 (&dw)[2],
+                                                        const __m256 (&mw)[2], const QuantRows& xq, int64_t row0,
+                                                        int64_t b, __m256 (*acc)[2]) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int8_t* xr[G];
   for (int r = 0; r < G; ++r) xr[r] = &xq.q[(row0 + r) * xq.k + b * kBlock];
@@ -347,13 +350,20 @@ inline void q4_rows_avx2(const uint8_t* wb, const __m256 (&dw)[2], const __m256 
   }
 }
 
+// A group of 4 stays a call: inlined into the tile's loop it measured no faster, and slower in blocks of 8 rows.
+__attribute__((noinline)) void q4_rows4_avx2(const uint8_t* wb, const __m256 (&dw)[2], const __m256 (&mw)[2],
+                                            const QuantRows& xq, int64_t row0, int64_t b, __m256 (*acc)[2]) {
+  q4_rows_avx2<4>(wb, dw, mw, xq, row0, b, acc);
+}
+
 // Rows R0 .. RB - 1 of one 4-bit block in near-equal groups of at most 4 (four rows' sums and a group's unpacked
 // weights fill AVX2's 16 registers).
 template <int RB, int R0>
 inline void q4_groups_avx2(const uint8_t* wb, const __m256 (&dw)[2], const __m256 (&mw)[2], const QuantRows& xq,
                            int64_t r0, int64_t b, __m256 (*acc)[2]) {
   constexpr int left = RB - R0, groups = (left + 3) / 4, G = (left + groups - 1) / groups;
-  q4_rows_avx2<G>(wb, dw, mw, xq, r0 + R0, b, acc + R0);
+  if constexpr (G == 4) q4_rows4_avx2(wb, dw, mw, xq, r0 + R0, b, acc + R0);
+  else q4_rows_avx2<G>(wb, dw, mw, xq, r0 + R0, b, acc + R0);
   if constexpr (R0 + G < RB) q4_groups_avx2<RB, R0 + G>(wb, dw, mw, xq, r0, b, acc);
 }
 
