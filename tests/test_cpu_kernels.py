@@ -77,6 +77,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_or_threads_beside_it(fmt: str
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_compute_floors_passes_run_the_whole_linear_layer_on_every_thread(fmt: str) -> None:
+    """linear_passes (compute_floor.py times the arithmetic with it) computes the layer's every column, each thread
+    its own part, the floats of `linear`, for any number of passes and threads."""
+    torch.manual_seed(1)
+    packed = pack(torch.randn(200, 96), fmt, torch.randn(200))  # 13 tiles: parts of unequal size on 2 threads
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            for rows in (1, 4, 9):
+                x, out = torch.randn(rows, 96), torch.full((rows, 200), float("nan"))
+                assert cpu.linear_passes(x, packed.kernel_args(), 3, out) > 0
+                assert torch.equal(out, cpu.linear(x, packed.kernel_args())), (t, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_this_cpus_vector_tiles_give_a_linear_layer_the_floats_of_the_portable_loops(monkeypatch) -> None:
     """The build for this CPU's vector unit (register tiles, activations quantized in vectors) against the plain C++

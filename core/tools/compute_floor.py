@@ -29,7 +29,8 @@ from core.runtime.weights import COLS, NativeLinear, PackedWeight
 
 SLICE_BYTES = 96 * 1024  # a thread's part of the smaller slice of a weight timed (the larger twice it): in its L2
 ATTENTION_KEYS = (256, 512)  # a thread's keys of each head attention is timed over (a chunk and two: in its L2)
-CALLS = 10  # calls per timing: one takes microseconds
+CALLS = 10  # calls per timing
+PASSES = 10  # passes over a weight's slice per call of the linear layers' timing (one takes microseconds)
 
 
 def _slope(run: Callable[[int], None], sizes: tuple[int, int]) -> float:
@@ -91,6 +92,14 @@ class ComputeFloor:
         self.block = {n: torch.ones(n, n, dtype=torch.bool).tril_() if n > 1 else None for n in sizes}
         self.products = not model.bf16_activations  # a bf16 model's stack computes in fp32 over the widened cache
 
+    @staticmethod
+    def _per_tile(slices: dict[int, NativeLinear], x: torch.Tensor) -> float:
+        """Seconds of a tile's arithmetic for the rows of x: the slope over the two slices, each call PASSES passes
+        inside the kernels (so a call's own cost, tens of microseconds, is shared out instead of drowning a slice's
+        difference)."""
+        outs = {t: x.new_empty(x.shape[0], layer.args[5]) for t, layer in slices.items()}
+        return _slope(lambda t: cpu.linear_passes(x, slices[t].args, PASSES, outs[t]), tuple(slices)) / PASSES
+
     def _attend(self, n: int, past: int) -> None:
         cpu.attend(self.q[n], self.k, self.v, n, past, self.block[n], None, self.head_dim**-0.5, self.products)
 
@@ -102,8 +111,7 @@ class ComputeFloor:
         torch.set_num_threads(self.threads)
         try:
             for n in self.sizes:
-                linear = sum(tiles * _slope(lambda s: slices[s](x[n]), tuple(slices))
-                             for tiles, slices, x in self.linear)
+                linear = sum(tiles * self._per_tile(slices, x[n]) for tiles, slices, x in self.linear)
                 per_key = _slope(lambda past: self._attend(n, past), self.keys) * self.layers
                 self.samples.setdefault((context, n), []).append((linear, per_key))
         finally:

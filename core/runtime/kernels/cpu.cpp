@@ -46,6 +46,34 @@ torch::Tensor linear(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tenso
   return out;
 }
 
+// `passes` passes of out [R, N] = x [R, K] W^T over a packed weight, every thread passing over its own equal part of
+// the tiles at once (so its part stays in its core's caches, as the compute floor asks), x quantized once: the
+// seconds per pass. No per-call cost (a parallel region's start, quantizing, allocating) enters but once.
+double linear_passes(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tensor d, torch::Tensor m,
+                     torch::Tensor bias, int64_t n, torch::Tensor out, int64_t passes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "linear_passes: x float32 [R, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == x.size(0) * n,
+              "linear_passes: out float32 [R, N]");
+  TORCH_CHECK(passes > 0, "linear_passes: at least one pass");
+  const Linear L = linear_from(fmt, a, d, m, bias, n, x.size(1));
+  const int64_t R = x.size(0), T = (n + kCols - 1) / kCols;
+  QuantRows xq;
+  if (quantized(L.fmt)) {
+    xq.size_for(R, L.k);
+    quantize_rows(x.data_ptr<float>(), 0, R, xq);
+  }
+  const int threads = at::get_num_threads();
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const Team team = Team::current(nullptr);
+    const auto [t0, t1] = equal_part(T, team.id, team.size);
+    for (int64_t p = 0; p < passes; ++p)
+      linear_tiles(L, x.data_ptr<float>(), xq, R, t0, t1, out.data_ptr<float>(), false, false);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / passes;
+}
+
 // Attention of q [H_kv, G * n, D] for n new tokens over keys k [H_kv, S / kTile, D, kTile] (tiles: key_offset) and
 // values v [H_kv, S, D], fp32 or bf16 (see attend_d).
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, int64_t past, torch::Tensor vis,
@@ -124,6 +152,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // `bf16`: round to bf16 where a bf16 model does (round_bf16); fp32 activations without it
   m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight", py::arg("x"), py::arg("fmt"), py::arg("a"),
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("n"), py::arg("bf16") = false);
+  m.def("linear_passes", &linear_passes, "seconds per pass of linear, each thread over its own part (the compute floor)",
+        py::arg("x"), py::arg("fmt"), py::arg("a"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("n"),
+        py::arg("out"), py::arg("passes"));
   m.def("bf16_dots", &bf16_dots, "whether bf16 pairs are multiplied on vdpbf16ps (else as two fmas: same floats)");
   m.def("set_bf16_dots", &set_bf16_dots, "pick the bf16 pairs' instruction (a test's switch); the previous choice");
   m.def("attend", &attend, "attention in each row's logical key order", py::arg("q"), py::arg("k"), py::arg("v"),

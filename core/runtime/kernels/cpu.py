@@ -39,6 +39,14 @@ def linear(x: Tensor, weight: WeightArgs, bf16: bool = False) -> Tensor:
     return kernel().linear(x, *weight, bf16)
 
 
+def linear_passes(x: Tensor, weight: WeightArgs, passes: int, out: Tensor | None = None) -> float:
+    """Seconds per pass of `linear` (fp32 out, into `out` if given), `passes` passes in one call with every thread
+    over its own part of the weight's tiles: the kernels' arithmetic without a call's own cost."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], weight[5]) if out is None else out
+    return kernel().linear_passes(x, *weight, out, passes)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, bf16: bool = False) -> Tensor:
     """RMSNorm of each row of x [R, H] (float32); with `bf16` rounded as a bf16 model rounds it: the normalised row
     rounded to bf16, times the weight, rounded again."""
