@@ -47,8 +47,8 @@ torch::Tensor linear(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tenso
 }
 
 // `passes` passes of out [R, N] = x [R, K] W^T over a packed weight, every thread passing over its own equal part of
-// the tiles at once (so its part stays in its core's caches, as the compute floor asks), x quantized once: the
-// seconds per pass. No per-call cost (a parallel region's start, quantizing, allocating) enters but once.
+// the tiles at once (so its part stays in its core's caches, as the compute floor asks): the seconds per pass. A
+// call's own costs (quantizing x, starting the threads) are paid once for all its passes.
 double linear_passes(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tensor d, torch::Tensor m,
                      torch::Tensor bias, int64_t n, torch::Tensor out, int64_t passes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "linear_passes: x float32 [R, K]");
@@ -152,7 +152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // `bf16`: round to bf16 where a bf16 model does (round_bf16); fp32 activations without it
   m.def("linear", &linear, "y = x W^T (+ bias) over a packed weight", py::arg("x"), py::arg("fmt"), py::arg("a"),
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("n"), py::arg("bf16") = false);
-  m.def("linear_passes", &linear_passes, "seconds per pass of linear, each thread over its own part (the compute floor)",
+  m.def("linear_passes", &linear_passes, "seconds per pass of linear, each thread over its own part",
         py::arg("x"), py::arg("fmt"), py::arg("a"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("n"),
         py::arg("out"), py::arg("passes"));
   m.def("bf16_dots", &bf16_dots, "whether bf16 pairs are multiplied on vdpbf16ps (else as two fmas: same floats)");
