@@ -57,11 +57,7 @@ double linear_passes(torch::Tensor x, int64_t fmt, torch::Tensor a, torch::Tenso
   TORCH_CHECK(passes > 0, "linear_passes: at least one pass");
   const Linear L = linear_from(fmt, a, d, m, bias, n, x.size(1));
   const int64_t R = x.size(0), T = (n + kCols - 1) / kCols;
-  QuantRows xq;
-  if (quantized(L.fmt)) {
-    xq.size_for(R, L.k);
-    quantize_rows(x.data_ptr<float>(), 0, R, xq);
-  }
+  const QuantRows xq = quantized_rows(L, x.data_ptr<float>(), R);
   const int threads = at::get_num_threads();
   const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads) if (threads > 1)

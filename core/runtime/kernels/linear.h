@@ -468,16 +468,23 @@ void linear_tiles(const Linear& L, const float* x, const QuantRows& xq, int64_t 
   }
 }
 
+// The R rows of x as quantized weights take them (QuantRows); for fp32 and bf16 weights, none.
+QuantRows quantized_rows(const Linear& L, const float* x, int64_t R) {
+  QuantRows xq;
+  if (quantized(L.fmt)) {
+    xq.size_for(R, L.k);
+    quantize_rows(x, 0, R, xq);
+  }
+  return xq;
+}
+
 // The whole of y = x W^T (into out, or with `add` added to it) over the threads: `team`'s (xq already made from x by
 // the caller) or at::parallel_for's.
 void linear_into(const Linear& L, const float* x, int64_t R, float* out, bool bf16, const Team* team = nullptr,
                  const QuantRows* xq = nullptr, bool add = false) {
   QuantRows own;
   if (xq == nullptr) {
-    if (quantized(L.fmt)) {
-      own.size_for(R, L.k);
-      quantize_rows(x, 0, R, own);
-    }
+    own = quantized_rows(L, x, R);
     xq = &own;
   }
   const int64_t T = (L.n + kCols - 1) / kCols;
