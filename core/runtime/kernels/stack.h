@@ -8,7 +8,7 @@
 #include "linear.h"
 #include "row_ops.h"
 
-// Stack, bound to Python, live outside the anonymous namespace yet hold its types: GCC warns of that in a
+// Stack, bound to Python, lives outside the anonymous namespace yet holds its types: GCC warns of that in a
 // header (-Wsubobject-linkage), which several translation units might include; the kernels are one.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wsubobject-linkage"
