@@ -50,11 +50,12 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   for (int j = 0; j < 4; ++j) xq[j].size_for(n, Ls[j].k);
   if (head != nullptr) xq[4].size_for(n - first, H);
   const float ep = static_cast<float>(eps);
-  // A head's rotary embedding and what follows it (a key head's key and value into the cache; a query head's scaled
-  // query), per token: the KV heads first, then the query heads. A key head writes a cache line per dimension.
-  const int64_t heads = n_kv + n_heads;
-  std::vector<int64_t> head_cost(n * heads + 1);
-  for (int64_t u = 0; u < n * heads; ++u) head_cost[u + 1] = head_cost[u] + (u % heads < n_kv ? 4 : 1);
+  // A head's rotary embedding and what follows it: a key head's keys and values of all n tokens into the cache, one
+  // task per head (a key writes a cache line per dimension, shared with the other tokens' keys in its tile: split
+  // over threads, those lines would pass between cores), then each token's query heads' scaled queries.
+  const int64_t rope_tasks = n_kv + n * n_heads;
+  std::vector<int64_t> head_cost(rope_tasks + 1);
+  for (int64_t u = 0; u < rope_tasks; ++u) head_cost[u + 1] = head_cost[u] + (u < n_kv ? 4 * n : 1);
   // Attention's rows go into att [n, q_dim], quantized there when a head's columns are whole quantization blocks.
   constexpr bool whole_blocks = D % kBlock == 0;
   const int threads = at::get_num_threads();
@@ -93,20 +94,21 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
       run_parts(&team, [&](int64_t part, int64_t parts) { return cost_part(head_cost, part, parts); },
                 [&](int64_t u0, int64_t u1) {
                   for (int64_t u = u0; u < u1; ++u) {
-                    const int64_t i = u / heads, hd = u % heads;
-                    float* row = qkv.data() + i * ld;
-                    if (hd >= n_kv) {
-                      const int64_t hq = hd - n_kv;
-                      rope_head(row + hq * D, D, cp + pos[i] * D, sp + pos[i] * D, bf16);
-                      attention.query(hq, i, row + hq * D);
+                    if (u >= n_kv) {
+                      const int64_t i = (u - n_kv) / n_heads, hq = (u - n_kv) % n_heads;
+                      float* q = qkv.data() + i * ld + hq * D;
+                      rope_head(q, D, cp + pos[i] * D, sp + pos[i] * D, bf16);
+                      attention.query(hq, i, q);
                       continue;
                     }
-                    float* k = row + q_dim + hd * D;
-                    const float* v = row + q_dim + kv_dim + hd * D;
-                    rope_head(k, D, cp + pos[i] * D, sp + pos[i] * D, bf16);
-                    for (int64_t j = 0; j < D; ++j) {
-                      put(&kp[hd * kh + key_offset(past + i, D) + j * kTile], k[j]);
-                      put(&vp[hd * vh + (past + i) * D + j], v[j]);
+                    for (int64_t i = 0; i < n; ++i) {
+                      float* k = qkv.data() + i * ld + q_dim + u * D;
+                      const float* v = k + kv_dim;
+                      rope_head(k, D, cp + pos[i] * D, sp + pos[i] * D, bf16);
+                      for (int64_t j = 0; j < D; ++j) {
+                        put(&kp[u * kh + key_offset(past + i, D) + j * kTile], k[j]);
+                        put(&vp[u * vh + (past + i) * D + j], v[j]);
+                      }
                     }
                   }
                 });
