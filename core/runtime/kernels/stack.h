@@ -46,9 +46,17 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   float* xp = x.data_ptr<float>();
   std::vector<float> h(n * H), qkv(n * ld), att(n * q_dim), gu(n * 2 * inter), act(n * inter);
   Attention<D, E> attention(n_kv, G, n, past, anc, window, static_cast<float>(scale), !bf16);
-  QuantRows xq[5];  // each linear layer's input, quantized, and the lm_head's
-  for (int j = 0; j < 4; ++j) xq[j].size_for(n, Ls[j].k);
-  if (head != nullptr) xq[4].size_for(n - first, H);
+  const int threads = at::get_num_threads();
+  // A layer's two norms: every thread normalises (and quantizes) all n rows itself, into buffers of its own that no
+  // other thread reads, so no barrier waits between a norm and the projection that reads it. A norm is a few
+  // hundred floats a row.
+  std::vector<std::vector<float>> normed_by(threads, std::vector<float>(n * H));
+  std::vector<QuantRows> normed_q(threads);
+  for (auto& q : normed_q) q.size_for(n, H);
+  QuantRows att_q, act_q, head_q;  // the output and down projections' inputs, quantized, and the lm_head's
+  att_q.size_for(n, Ls[1].k);
+  act_q.size_for(n, Ls[3].k);
+  if (head != nullptr) head_q.size_for(n - first, H);
   const float ep = static_cast<float>(eps);
   // A head's rotary embedding and what follows it: a key head's keys and values of all n tokens into the cache, one
   // task per head (a key writes a cache line per dimension, shared with the other tokens' keys in its tile: split
@@ -58,11 +66,10 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   for (int64_t u = 0; u < rope_tasks; ++u) head_cost[u + 1] = head_cost[u] + (u < n_kv ? 4 * n : 1);
   // Attention's rows go into att [n, q_dim], quantized there when a head's columns are whole quantization blocks.
   constexpr bool whole_blocks = D % kBlock == 0;
-  const int threads = at::get_num_threads();
   // One region for the whole stack: every thread takes its part of each phase and they meet at a barrier after it.
-  // The per-row glue is cut into (token, 32 columns) pieces, so a one-token step shares it too; a row's norm needs
-  // the row's sum of squares, which each thread computes whole. The residual sums are taken by the output and down
-  // projections, as they write their columns.
+  // The other per-row glue is cut into (token, 32 columns) pieces, so a one-token step shares it too; the final
+  // norm's row needs the row's sum of squares, which each thread computes whole. The residual sums are taken by the
+  // output and down projections, as they write their columns.
   std::vector<Claim> claims(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -79,18 +86,20 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
                   }
                 });
     };
-    auto norm = [&](const float* w, const Linear& L, QuantRows& q) {
-      pieces(H, [&](int64_t i, int64_t c0, int64_t c1) {
-        rms_norm_columns(xp + i * H, w, H, ep, c0, c1, h.data() + i * H, bf16);
-        if (quantized(L.fmt)) quantize_columns(h.data(), i, c0, c1, q);
-      });
+    float* own = normed_by[team.id].data();
+    QuantRows& own_q = normed_q[team.id];
+    auto norm = [&](const float* w, const Linear& L) {
+      for (int64_t i = 0; i < n; ++i) {
+        rms_norm_columns(xp + i * H, w, H, ep, 0, H, own + i * H, bf16);
+        if (quantized(L.fmt)) quantize_columns(own, i, 0, H, own_q);
+      }
     };
     for (int64_t l = 0; l < layers; ++l) {
       const Linear* L = &Ls[l * 4];
       E* kp = kbase + l * kc.stride(0);
       E* vp = vbase + l * vc.stride(0);
-      norm(norm_w[l * 2], L[0], xq[0]);
-      linear_into(L[0], h.data(), n, qkv.data(), bf16, &team, &xq[0]);
+      norm(norm_w[l * 2], L[0]);
+      linear_into(L[0], own, n, qkv.data(), bf16, &team, &own_q);
       run_parts(&team, [&](int64_t part, int64_t parts) { return cost_part(head_cost, part, parts); },
                 [&](int64_t u0, int64_t u1) {
                   for (int64_t u = u0; u < u1; ++u) {
@@ -116,26 +125,26 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
       attention.run(kp, kh, vp, vh, [&](int64_t hq, int64_t i, const float* o) {
         float* a = &att[i * q_dim + hq * D];
         for (int64_t j = 0; j < D; ++j) a[j] = store(o[j], bf16);
-        if (quantize_att && whole_blocks) quantize_columns(att.data(), i, hq * D, (hq + 1) * D, xq[1]);
+        if (quantize_att && whole_blocks) quantize_columns(att.data(), i, hq * D, (hq + 1) * D, att_q);
       }, &team);
       if (quantize_att && !whole_blocks)
-        pieces(q_dim, [&](int64_t i, int64_t c0, int64_t c1) { quantize_columns(att.data(), i, c0, c1, xq[1]); });
-      linear_into(L[1], att.data(), n, xp, bf16, &team, &xq[1], true);
-      norm(norm_w[l * 2 + 1], L[2], xq[2]);
-      linear_into(L[2], h.data(), n, gu.data(), bf16, &team, &xq[2]);
+        pieces(q_dim, [&](int64_t i, int64_t c0, int64_t c1) { quantize_columns(att.data(), i, c0, c1, att_q); });
+      linear_into(L[1], att.data(), n, xp, bf16, &team, &att_q, true);
+      norm(norm_w[l * 2 + 1], L[2]);
+      linear_into(L[2], own, n, gu.data(), bf16, &team, &own_q);
       pieces(inter, [&](int64_t i, int64_t c0, int64_t c1) {
         silu_gate_columns(gu.data() + i * 2 * inter, inter, c0, c1, act.data() + i * inter, bf16);
-        if (quantized(L[3].fmt)) quantize_columns(act.data(), i, c0, c1, xq[3]);
+        if (quantized(L[3].fmt)) quantize_columns(act.data(), i, c0, c1, act_q);
       });
-      linear_into(L[3], act.data(), n, xp, bf16, &team, &xq[3], true);
+      linear_into(L[3], act.data(), n, xp, bf16, &team, &act_q, true);
     }
     if (head != nullptr) {  // the final norm and the lm_head, of the rows from `first` on
       float* normed = h.data() + first * H;
       pieces(H, [&](int64_t i, int64_t c0, int64_t c1) {
         rms_norm_columns(xp + i * H, final_w, H, ep, c0, c1, h.data() + i * H, bf16);
-        if (quantized(head->fmt)) quantize_columns(normed, i - first, c0, c1, xq[4]);
+        if (quantized(head->fmt)) quantize_columns(normed, i - first, c0, c1, head_q);
       }, first);
-      linear_into(*head, normed, n - first, logits, head_bf16, &team, &xq[4]);
+      linear_into(*head, normed, n - first, logits, head_bf16, &team, &head_q);
     }
   }
 }
