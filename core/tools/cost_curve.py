@@ -163,10 +163,11 @@ def least_vs_one(rows: list[dict[str, Any]], mode: str, memory: list[dict[str, A
 
 
 def floor_line(floor: dict[str, Any]) -> str:
-    return (f"Memory floor of a one-token step of `{floor['mode']}` (this CPU reads {floor['read_gb_s']} GB/s): "
+    achieved = any(r.get("achieved") for r in floor["rows"])
+    return (f"Memory floor of a one-token step of `{floor['mode']}` (this CPU reads {floor['read_gb_s']} GB/s"
+            + ("; the share of that rate the step achieved" if achieved else "") + "): "
             + ", ".join(f"L={r['context']}: {r['mb']:.0f} MB, {r['floor_ms']:.1f} ms"
-                        + (f" ({100 * r['achieved']:.0f}% of the rate achieved)" if r.get("achieved") else "")
-                        for r in floor["rows"]))
+                        + (f" ({100 * r['achieved']:.0f}%)" if r.get("achieved") else "") for r in floor["rows"]))
 
 
 def report_markdown(report: dict[str, Any]) -> str:

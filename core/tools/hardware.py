@@ -26,8 +26,10 @@ def hardware() -> dict[str, Any]:
 
 
 def describe(hw: dict[str, Any]) -> str:
-    """One line naming the machine of a `hardware()` record, as the README's tables cite it."""
-    cpu = hw.get("cuda") or f"{hw['cpu']} ({hw.get('vector') or hw['machine']})"
+    """One line naming the machine of a `hardware()` record, as the README's tables cite it: a CPU by its model name,
+    its family/model numbers (one name can cover several generations) and its widest vector unit."""
+    family = f"family {hw['cpu_family_model']}, " if hw.get("cpu_family_model") else ""
+    cpu = hw.get("cuda") or f"{hw['cpu']} ({family}{hw.get('vector') or hw['machine']})"
     return f"{cpu}, {hw['threads']} threads, torch {hw['torch']}"
 
 
