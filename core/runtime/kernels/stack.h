@@ -44,19 +44,18 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   const int64_t kh = kc.stride(1), vh = vc.stride(1);
   const int64_t inter = Ls[2].n / 2;
   float* xp = x.data_ptr<float>();
-  std::vector<float> h(n * H), qkv(n * ld), att(n * q_dim), gu(n * 2 * inter), act(n * inter);
+  std::vector<float> qkv(n * ld), att(n * q_dim), gu(n * 2 * inter), act(n * inter);
   Attention<D, E> attention(n_kv, G, n, past, anc, window, static_cast<float>(scale), !bf16);
   const int threads = at::get_num_threads();
-  // A layer's two norms: every thread normalises (and quantizes) all n rows itself, into buffers of its own that no
-  // other thread reads, so no barrier waits between a norm and the projection that reads it. A norm is a few
-  // hundred floats a row.
+  // The norms (a layer's two, the final one): every thread normalises (and quantizes) the rows itself, into buffers
+  // of its own that no other thread reads, so no barrier waits between a norm and the projection that reads it. A
+  // norm is a few hundred floats a row.
   std::vector<std::vector<float>> normed_by(threads, std::vector<float>(n * H));
   std::vector<QuantRows> normed_q(threads);
   for (auto& q : normed_q) q.size_for(n, H);
-  QuantRows att_q, act_q, head_q;  // the output and down projections' inputs, quantized, and the lm_head's
+  QuantRows att_q, act_q;  // the output and down projections' inputs, quantized
   att_q.size_for(n, Ls[1].k);
   act_q.size_for(n, Ls[3].k);
-  if (head != nullptr) head_q.size_for(n - first, H);
   const float ep = static_cast<float>(eps);
   // A head's rotary embedding and what follows it: a key head's keys and values of all n tokens into the cache, one
   // task per head (a key writes a cache line per dimension, shared with the other tokens' keys in its tile: split
@@ -67,39 +66,41 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
   // Attention's rows go into att [n, q_dim], quantized there when a head's columns are whole quantization blocks.
   constexpr bool whole_blocks = D % kBlock == 0;
   // One region for the whole stack: every thread takes its part of each phase and they meet at a barrier after it.
-  // The other per-row glue is cut into (token, 32 columns) pieces, so a one-token step shares it too; the final
-  // norm's row needs the row's sum of squares, which each thread computes whole. The residual sums are taken by the
-  // output and down projections, as they write their columns.
+  // The other per-row glue is cut into (token, 32 columns) pieces, so a one-token step shares it too. The residual
+  // sums are taken by the output and down projections, as they write their columns.
   std::vector<Claim> claims(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const Team team = Team::current(claims.data());
     // f(i, c0, c1) for the columns [c0, c1) of token i in this thread's part of n rows of `width` columns (pieces of
     // kBlock columns: a piece quantized is a whole block).
-    auto pieces = [&](int64_t width, auto f, int64_t from = 0) {  // (rows from `from` on)
+    auto pieces = [&](int64_t width, auto f) {
       const int64_t per = (width + kBlock - 1) / kBlock;
-      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part((n - from) * per, part, parts); },
+      run_parts(&team, [&](int64_t part, int64_t parts) { return equal_part(n * per, part, parts); },
                 [&](int64_t u0, int64_t u1) {
                   for (int64_t i = u0 / per; i * per < u1; ++i) {
                     const int64_t b0 = std::max(u0, i * per) - i * per, b1 = std::min(u1, (i + 1) * per) - i * per;
-                    f(from + i, b0 * kBlock, std::min(b1 * kBlock, width));
+                    f(i, b0 * kBlock, std::min(b1 * kBlock, width));
                   }
                 });
     };
     float* own = normed_by[team.id].data();
     QuantRows& own_q = normed_q[team.id];
-    auto norm = [&](const float* w, const Linear& L) {
-      for (int64_t i = 0; i < n; ++i) {
+    // The norm (weights w) of the rows from `from` on, into this thread's buffer, quantized for L (row i as row
+    // i - from): those rows.
+    auto norm = [&](const float* w, const Linear& L, int64_t from = 0) {
+      float* rows = own + from * H;
+      for (int64_t i = from; i < n; ++i) {
         rms_norm_columns(xp + i * H, w, H, ep, 0, H, own + i * H, bf16);
-        if (quantized(L.fmt)) quantize_columns(own, i, 0, H, own_q);
+        if (quantized(L.fmt)) quantize_columns(rows, i - from, 0, H, own_q);
       }
+      return rows;
     };
     for (int64_t l = 0; l < layers; ++l) {
       const Linear* L = &Ls[l * 4];
       E* kp = kbase + l * kc.stride(0);
       E* vp = vbase + l * vc.stride(0);
-      norm(norm_w[l * 2], L[0]);
-      linear_into(L[0], own, n, qkv.data(), bf16, &team, &own_q);
+      linear_into(L[0], norm(norm_w[l * 2], L[0]), n, qkv.data(), bf16, &team, &own_q);
       run_parts(&team, [&](int64_t part, int64_t parts) { return cost_part(head_cost, part, parts); },
                 [&](int64_t u0, int64_t u1) {
                   for (int64_t u = u0; u < u1; ++u) {
@@ -130,22 +131,15 @@ void decoder_of(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const int
       if (quantize_att && !whole_blocks)
         pieces(q_dim, [&](int64_t i, int64_t c0, int64_t c1) { quantize_columns(att.data(), i, c0, c1, att_q); });
       linear_into(L[1], att.data(), n, xp, bf16, &team, &att_q, true);
-      norm(norm_w[l * 2 + 1], L[2]);
-      linear_into(L[2], own, n, gu.data(), bf16, &team, &own_q);
+      linear_into(L[2], norm(norm_w[l * 2 + 1], L[2]), n, gu.data(), bf16, &team, &own_q);
       pieces(inter, [&](int64_t i, int64_t c0, int64_t c1) {
         silu_gate_columns(gu.data() + i * 2 * inter, inter, c0, c1, act.data() + i * inter, bf16);
         if (quantized(L[3].fmt)) quantize_columns(act.data(), i, c0, c1, act_q);
       });
       linear_into(L[3], act.data(), n, xp, bf16, &team, &act_q, true);
     }
-    if (head != nullptr) {  // the final norm and the lm_head, of the rows from `first` on
-      float* normed = h.data() + first * H;
-      pieces(H, [&](int64_t i, int64_t c0, int64_t c1) {
-        rms_norm_columns(xp + i * H, final_w, H, ep, c0, c1, h.data() + i * H, bf16);
-        if (quantized(head->fmt)) quantize_columns(normed, i - first, c0, c1, head_q);
-      }, first);
-      linear_into(*head, normed, n - first, logits, head_bf16, &team, &head_q);
-    }
+    if (head != nullptr)  // the final norm and the lm_head, of the rows from `first` on
+      linear_into(*head, norm(final_w, *head, first), n - first, logits, head_bf16, &team, &own_q);
   }
 }
 
