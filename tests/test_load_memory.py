@@ -1,7 +1,8 @@
 """What a load keeps resident, checked structurally: loading the default model imports neither transformers nor
-torch._dynamo, sympy, the gguf package or torch's C++ extension tooling, and each thing read without them reads what
-they read — the GGUF tensor table, the tokenizer's ids, offsets, text and chat prompts, the config — while the
-quantizers and the lm_head's row selection give the same numbers with smaller temporaries."""
+torch._dynamo, sympy, the gguf package or torch's C++ extension tooling (nor does `generate` import the tools), and
+each thing read without them reads what they read — the GGUF tensor table, the tokenizer's ids, offsets, text and
+chat prompts, the config — while the quantizers and the lm_head's row selection give the same numbers with smaller
+temporaries."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,31 @@ def test_loading_the_default_model_imports_nothing_heavy() -> None:
                           check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+TOOLS = ("core.tools.bench", "core.tools.cost_curve", "core.tools.gpu_check", "core.tools.long_profile",
+         "core.tools.train_heads")
+
+
+def test_a_command_imports_only_its_own_tool() -> None:
+    """`python -m core generate` carries none of the tools' modules (the benchmark's, the trainer's); a tool's
+    command imports its own and takes its flags; the top-level help lists every command."""
+    probe = ("import sys\nfrom core.tools.cli import build_parser\nargv = sys.argv[1:]\n"
+             f"build_parser(argv).parse_args(argv)\nprint([m for m in {TOOLS!r} if m in sys.modules])")
+
+    def imported(*argv: str) -> str:
+        done = subprocess.run([sys.executable, "-c", probe, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    assert imported("generate", "--prompt", "x") == "[]"
+    assert imported("cost-curve", "--sizes", "1,2") == "['core.tools.cost_curve']"
+    assert imported("bench", "--lengths", "64", "--heads", "none") == "['core.tools.bench']"
+    listing = subprocess.run([sys.executable, "-m", "core", "--help"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+    assert all(name in listing for name in ("generate", "bench", "cost-curve", "long-profile", "gpu-check",
+                                            "train-heads"))
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,16 @@
-"""Command line: `python -m core generate | bench | cost-curve | long-profile | gpu-check | train-heads` (see README for every flag)."""
+"""Command line: `python -m core generate | bench | cost-curve | long-profile | gpu-check | train-heads` (see README
+for every flag)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -15,12 +19,35 @@ from core.generation.decoding import GenerationConfig
 from core.generation.text import encode_prompt
 from core.runtime.loading import default_device
 from core.tools.args import add_model_args, add_sampling_args, add_tokenswift_args, load_engine, sampling_from
-from core.tools.bench import add_bench_args, run_bench
-from core.tools.cost_curve import add_cost_curve_args, run_cost_curve
-from core.tools.gpu_check import add_gpu_check_args, run_gpu_check
-from core.tools.long_profile import add_long_profile_args, run_long_profile
 from core.tools.roofline import read_rate_now, step_reads
-from core.tools.train_heads import add_train_args, run_training
+
+
+class Tool(NamedTuple):
+    """A subcommand run by a tool module of its own: `module` gives `add_args(parser)` and `run(args)`; `shared`
+    adds the common flags after the tool's own."""
+    module: str
+    add_args: str
+    run: str
+    help: str
+    shared: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
+
+
+# Imported only when named on the command line: a process that generates does not carry the benchmark's or the
+# trainer's modules (nor their memory).
+TOOLS = {
+    "bench": Tool("core.tools.bench", "add_bench_args", "run_bench", "benchmark decoding methods side by side",
+                  (add_model_args, add_tokenswift_args)),
+    "cost-curve": Tool("core.tools.cost_curve", "add_cost_curve_args", "run_cost_curve",
+                       "time one forward of n new tokens over L cached ones (eager, compiled)", (add_model_args,)),
+    "long-profile": Tool("core.tools.long_profile", "add_long_profile_args", "run_long_profile",
+                         "per-step overhead at up to 100K cached tokens (CPU, tiny random model)",
+                         (add_tokenswift_args,)),
+    "gpu-check": Tool("core.tools.gpu_check", "add_gpu_check_args", "run_gpu_check",
+                      "the GPU check (make bench-gpu): cost curve, vanilla vs TokenSwift, exactness, on random "
+                      "weights in real shapes; --device cpu: a dry run on tiny shapes"),
+    "train-heads": Tool("core.tools.train_heads", "add_train_args", "run_training",
+                        "train the drafting heads by self-distillation"),
+}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -63,7 +90,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; of the tools' subcommands only the one `argv` names gets its flags (and its
+    module imported)."""
     parser = argparse.ArgumentParser(prog="python -m core", description="TokenSwift engine command line")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -82,37 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenswift_args(g)
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmark decoding methods side by side")
-    add_bench_args(b)
-    add_model_args(b)
-    add_tokenswift_args(b)
-    b.set_defaults(func=run_bench)
-
-    c = sub.add_parser("cost-curve", help="time one forward of n new tokens over L cached ones (eager, compiled)")
-    add_cost_curve_args(c)
-    add_model_args(c)
-    c.set_defaults(func=run_cost_curve)
-
-    lp = sub.add_parser("long-profile", help="per-step overhead at up to 100K cached tokens (CPU, tiny random model)")
-    add_long_profile_args(lp)
-    add_tokenswift_args(lp)
-    lp.set_defaults(func=run_long_profile)
-
-    gc = sub.add_parser("gpu-check", help="the GPU check (make bench-gpu): cost curve, vanilla vs TokenSwift, "
-                        "exactness, on random weights in real shapes; --device cpu: a dry run on tiny shapes")
-    add_gpu_check_args(gc)
-    gc.set_defaults(func=run_gpu_check)
-
-    t = sub.add_parser("train-heads", help="train the drafting heads by self-distillation")
-    add_train_args(t)
-    t.set_defaults(func=run_training)
+    named = next((a for a in argv or () if not a.startswith("-")), None)
+    for name, tool in TOOLS.items():
+        p = sub.add_parser(name, help=tool.help)
+        if name == named:
+            module = importlib.import_module(tool.module)
+            getattr(module, tool.add_args)(p)
+            for add in tool.shared:
+                add(p)
+            p.set_defaults(func=getattr(module, tool.run))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     args.command_line = "python -m core " + shlex.join(argv)  # recorded with a benchmark's figures
     try:
         return args.func(args)
