@@ -333,15 +333,22 @@ def vanilla_steps(decoder: Decoder, gen: Generation) -> Iterator[Step]:
     cache = gen.new_cache()
     logits, _ = gen.prefill(cache)
     eos = decoder.model.cfg.eos_token_ids
+    # a step's token and position written into one buffer held for the whole generation: between two forwards, with
+    # the caches cold, making two tensors costs more than writing two ids (as TreeInputs does for a tree)
+    device = decoder.device
+    on_cpu = device.type == "cpu"
+    inputs = torch.zeros(2, 1, dtype=torch.long)
+    rows, token_in, position_in = inputs.numpy(), inputs[0], inputs[1]
     while not gen.cancelled():
         t0 = time.perf_counter()
         token = gen.draw(logits)
         done = gen.n_out + 1 >= gen.config.max_new_tokens or token in eos
         forward_s = 0.0
         if not done:
-            pos = torch.tensor([len(gen.tokens)], device=decoder.device)
+            rows[:, 0] = token, len(gen.tokens)
+            ids, pos = (token_in, position_in) if on_cpu else (token_in.to(device), position_in.to(device))
             t1 = time.perf_counter()
-            logits, _ = decoder.forward(torch.tensor([token], device=decoder.device), pos, cache)
+            logits, _ = decoder.forward(ids, pos, cache)
             forward_s = time.perf_counter() - t1
             logits = logits[0]
             cache.commit()
